@@ -1,0 +1,276 @@
+//! Wire <-> domain conversions for the client-facing APIs. Converting a request
+//! validates it: the error is the INVALID_ARGUMENT message.
+
+use crate::courier_v1 as v1;
+use crate::domain::*;
+use crate::gateway_protocol as gw;
+use crate::validate;
+
+/// The activation properties of a long-poll request, validated, with its batch size.
+pub fn activate_request(r: &gw::ActivateJobsRequest) -> Result<(ActivationProps, u32), String> {
+    if r.max_jobs_to_activate < 1 {
+        return Err(format!(
+            "maxJobsToActivate must be at least 1, got {}",
+            r.max_jobs_to_activate
+        ));
+    }
+    let props = activation_props(
+        &r.r#type,
+        &r.worker,
+        r.timeout,
+        &r.fetch_variable,
+        &r.tenant_ids,
+    )?;
+    Ok((props, r.max_jobs_to_activate as u32))
+}
+
+/// The activation properties of a job stream, validated. Zeebe lets a stream omit
+/// its worker name; it then reads as "default".
+pub fn stream_request(r: &gw::StreamActivatedJobsRequest) -> Result<ActivationProps, String> {
+    let worker = if r.worker.trim().is_empty() {
+        "default"
+    } else {
+        r.worker.as_str()
+    };
+    activation_props(
+        &r.r#type,
+        worker,
+        r.timeout,
+        &r.fetch_variable,
+        &r.tenant_ids,
+    )
+}
+
+fn activation_props(
+    job_type: &str,
+    worker: &str,
+    timeout: i64,
+    fetch: &[String],
+    tenants: &[String],
+) -> Result<ActivationProps, String> {
+    validate::non_blank("type", job_type)?;
+    validate::non_blank("worker", worker)?;
+    let timeout_ms = validate::positive_ms("timeout", timeout)?;
+    let mut fetch_variables = fetch.to_vec();
+    fetch_variables.sort();
+    fetch_variables.dedup();
+    Ok(ActivationProps {
+        job_type: job_type.to_string(),
+        worker: worker.to_string(),
+        timeout_ms,
+        fetch_variables,
+        tenant_ids: validate::tenant_ids(tenants)?,
+    })
+}
+
+fn key(k: i64) -> Result<JobKey, String> {
+    let key = JobKey(k);
+    match key.partition() {
+        Some(_) => Ok(key),
+        None => Err(format!("job key {k} is not a key Courier issued")),
+    }
+}
+
+pub fn complete_request(r: &gw::CompleteJobRequest) -> Result<Command, String> {
+    Ok(Command::Complete {
+        key: key(r.job_key)?,
+        variables: validate::optional_json_object("variables", &r.variables)?,
+    })
+}
+
+pub fn fail_request(r: &gw::FailJobRequest) -> Result<Command, String> {
+    if r.retry_back_off < 0 {
+        return Err(format!(
+            "retryBackOff must not be negative, got {}",
+            r.retry_back_off
+        ));
+    }
+    Ok(Command::Fail {
+        key: key(r.job_key)?,
+        retries: r.retries,
+        error_message: r.error_message.clone(),
+        retry_backoff_ms: r.retry_back_off,
+        variables: validate::optional_json_object("variables", &r.variables)?,
+    })
+}
+
+pub fn throw_error_request(r: &gw::ThrowErrorRequest) -> Result<Command, String> {
+    validate::non_blank("errorCode", &r.error_code)?;
+    Ok(Command::ThrowError {
+        key: key(r.job_key)?,
+        error_code: r.error_code.clone(),
+        error_message: r.error_message.clone(),
+        variables: validate::optional_json_object("variables", &r.variables)?,
+    })
+}
+
+pub fn update_retries_request(r: &gw::UpdateJobRetriesRequest) -> Result<Command, String> {
+    if r.retries < 1 {
+        return Err(format!("retries must be at least 1, got {}", r.retries));
+    }
+    Ok(Command::UpdateRetries {
+        key: key(r.job_key)?,
+        retries: r.retries,
+    })
+}
+
+pub fn update_timeout_request(r: &gw::UpdateJobTimeoutRequest) -> Result<Command, String> {
+    Ok(Command::UpdateTimeout {
+        key: key(r.job_key)?,
+        timeout_ms: validate::positive_ms("timeout", r.timeout)?,
+    })
+}
+
+pub fn create_request(r: &v1::CreateJobRequest) -> Result<NewJob, String> {
+    validate::non_blank("type", &r.r#type)?;
+    let retries = r.retries.unwrap_or(DEFAULT_RETRIES);
+    if retries < 1 {
+        return Err(format!("retries must be at least 1, got {retries}"));
+    }
+    Ok(NewJob {
+        job_type: r.r#type.clone(),
+        variables: validate::json_object("variables", &r.variables)?,
+        custom_headers: validate::custom_headers(&r.custom_headers)?,
+        retries,
+        tenant_id: validate::tenant_id(&r.tenant_id)?,
+        process: ProcessContext {
+            process_instance_key: r.process_instance_key,
+            bpmn_process_id: r.bpmn_process_id.clone(),
+            process_definition_version: r.process_definition_version,
+            process_definition_key: r.process_definition_key,
+            element_id: r.element_id.clone(),
+            element_instance_key: r.element_instance_key,
+        },
+    })
+}
+
+pub fn job_key_request(k: i64) -> Result<JobKey, String> {
+    key(k)
+}
+
+impl From<ActivatedJob> for gw::ActivatedJob {
+    fn from(j: ActivatedJob) -> Self {
+        gw::ActivatedJob {
+            key: j.key.0,
+            r#type: j.job_type,
+            process_instance_key: j.process.process_instance_key,
+            bpmn_process_id: j.process.bpmn_process_id,
+            process_definition_version: j.process.process_definition_version,
+            process_definition_key: j.process.process_definition_key,
+            element_id: j.process.element_id,
+            element_instance_key: j.process.element_instance_key,
+            custom_headers: j.custom_headers,
+            worker: j.worker,
+            retries: j.retries,
+            deadline: j.deadline,
+            variables: j.variables,
+            tenant_id: j.tenant_id,
+        }
+    }
+}
+
+impl From<JobStateKind> for v1::JobState {
+    fn from(s: JobStateKind) -> Self {
+        match s {
+            JobStateKind::Activatable => v1::JobState::Activatable,
+            JobStateKind::Activated => v1::JobState::Activated,
+            JobStateKind::FailedBackOff => v1::JobState::FailedBackOff,
+            JobStateKind::Incident => v1::JobState::Incident,
+            JobStateKind::ErrorThrown => v1::JobState::ErrorThrown,
+        }
+    }
+}
+
+impl From<JobView> for v1::Job {
+    fn from(j: JobView) -> Self {
+        v1::Job {
+            key: j.key.0,
+            r#type: j.job_type,
+            state: v1::JobState::from(j.state) as i32,
+            retries: j.retries,
+            worker: j.worker,
+            deadline: j.deadline,
+            error_message: j.error_message,
+            error_code: j.error_code,
+            variables: j.variables,
+            custom_headers: j.custom_headers,
+            tenant_id: j.tenant_id,
+            created_at: j.created_at,
+            retry_at: j.retry_at,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn activate(t: &str, w: &str, timeout: i64, max: i32) -> gw::ActivateJobsRequest {
+        gw::ActivateJobsRequest {
+            r#type: t.into(),
+            worker: w.into(),
+            timeout,
+            max_jobs_to_activate: max,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn activate_requests_are_checked_field_by_field() {
+        assert!(activate_request(&activate("", "w", 1, 1))
+            .unwrap_err()
+            .contains("type"));
+        assert!(activate_request(&activate("t", " ", 1, 1))
+            .unwrap_err()
+            .contains("worker"));
+        assert!(activate_request(&activate("t", "w", 0, 1))
+            .unwrap_err()
+            .contains("timeout"));
+        assert!(activate_request(&activate("t", "w", 1, 0))
+            .unwrap_err()
+            .contains("maxJobsToActivate"));
+        let (props, max) = activate_request(&activate("t", "w", 1000, 32)).unwrap();
+        assert_eq!(max, 32);
+        assert_eq!(props.tenant_ids, vec![DEFAULT_TENANT.to_string()]);
+    }
+
+    #[test]
+    fn key_commands_reject_foreign_keys_and_bad_input() {
+        let r = gw::CompleteJobRequest {
+            job_key: 5,
+            variables: String::new(),
+        };
+        assert!(complete_request(&r).unwrap_err().contains("not a key"));
+        let k = JobKey::new(PartitionId(1), 1).0;
+        let r = gw::CompleteJobRequest {
+            job_key: k,
+            variables: "[]".into(),
+        };
+        assert!(complete_request(&r).unwrap_err().contains("JSON object"));
+        let r = gw::UpdateJobRetriesRequest {
+            job_key: k,
+            retries: 0,
+            operation_reference: None,
+        };
+        assert!(update_retries_request(&r).unwrap_err().contains("retries"));
+        let r = gw::ThrowErrorRequest {
+            job_key: k,
+            error_code: "".into(),
+            ..Default::default()
+        };
+        assert!(throw_error_request(&r).unwrap_err().contains("errorCode"));
+    }
+
+    #[test]
+    fn create_defaults() {
+        let r = v1::CreateJobRequest {
+            r#type: "t".into(),
+            ..Default::default()
+        };
+        let j = create_request(&r).unwrap();
+        assert_eq!(j.retries, DEFAULT_RETRIES);
+        assert_eq!(j.variables, "{}");
+        assert_eq!(j.custom_headers, "{}");
+        assert_eq!(j.tenant_id, DEFAULT_TENANT);
+    }
+}

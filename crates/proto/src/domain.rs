@@ -1,0 +1,264 @@
+//! Domain types shared by brokers, gateways and clients. Nothing here knows the wire.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Tenant of every job when multi-tenancy is not used (Zeebe's name for it).
+pub const DEFAULT_TENANT: &str = "<default>";
+/// Job keys carry their partition in the bits above this shift (Zeebe's layout).
+pub const KEY_PARTITION_SHIFT: u32 = 51;
+/// Largest variables document a job may carry.
+pub const MAX_VARIABLES_BYTES: usize = 4 * 1024 * 1024;
+/// Retries of a job created without an explicit count.
+pub const DEFAULT_RETRIES: i32 = 3;
+
+/// A broker's id in the static cluster configuration.
+pub type NodeId = u64;
+
+/// A partition's id; partitions are numbered from 1.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PartitionId(pub u32);
+
+impl fmt::Display for PartitionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A job's key: `(partition << 51) + counter`, unique in the cluster.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct JobKey(pub i64);
+
+impl JobKey {
+    /// The key of the `counter`-th job of `partition` (counter starts at 1).
+    pub fn new(partition: PartitionId, counter: u64) -> Self {
+        let base = i64::from(partition.0) << KEY_PARTITION_SHIFT;
+        let low = (counter & ((1u64 << KEY_PARTITION_SHIFT) - 1)) as i64;
+        JobKey(base + low)
+    }
+
+    /// The partition this key lives on, or `None` for a key no broker could have made.
+    pub fn partition(self) -> Option<PartitionId> {
+        if self.0 <= 0 {
+            return None;
+        }
+        let p = (self.0 >> KEY_PARTITION_SHIFT) as u32;
+        (p > 0).then_some(PartitionId(p))
+    }
+}
+
+impl fmt::Display for JobKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Process fields a producer may attach to a job; copied unchanged onto every activation.
+/// Courier has no processes, so these are zero/empty unless the producer set them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessContext {
+    pub process_instance_key: i64,
+    pub bpmn_process_id: String,
+    pub process_definition_version: i32,
+    pub process_definition_key: i64,
+    pub element_id: String,
+    pub element_instance_key: i64,
+}
+
+/// A job to create, already validated.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NewJob {
+    pub job_type: String,
+    /// A JSON object, as text.
+    pub variables: String,
+    /// A JSON object, as text.
+    pub custom_headers: String,
+    pub retries: i32,
+    pub tenant_id: String,
+    pub process: ProcessContext,
+}
+
+/// What a worker asks for when it activates jobs (poll) or opens a stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActivationProps {
+    pub job_type: String,
+    pub worker: String,
+    /// How long an activation lasts before the job becomes runnable again.
+    pub timeout_ms: i64,
+    /// Variable names to hand over; empty means all.
+    pub fetch_variables: Vec<String>,
+    /// Tenants whose jobs the worker takes; never empty (defaults to `<default>`).
+    pub tenant_ids: Vec<String>,
+}
+
+/// A job as handed to a worker.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActivatedJob {
+    pub key: JobKey,
+    pub job_type: String,
+    pub worker: String,
+    pub retries: i32,
+    /// Epoch ms after which the activation times out.
+    pub deadline: i64,
+    /// A JSON object, filtered by the activation's fetch variables.
+    pub variables: String,
+    pub custom_headers: String,
+    pub tenant_id: String,
+    pub process: ProcessContext,
+}
+
+/// Where a job stands, as reported by GetJob.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobStateKind {
+    Activatable,
+    Activated,
+    FailedBackOff,
+    Incident,
+    ErrorThrown,
+}
+
+/// A job's full record, as reported by GetJob.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobView {
+    pub key: JobKey,
+    pub job_type: String,
+    pub state: JobStateKind,
+    pub retries: i32,
+    pub worker: String,
+    pub deadline: i64,
+    pub retry_at: i64,
+    pub error_message: String,
+    pub error_code: String,
+    pub variables: String,
+    pub custom_headers: String,
+    pub tenant_id: String,
+    pub created_at: i64,
+}
+
+/// A change a client asks a partition to make; each is replicated through the log.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    /// Create jobs, all on this partition, in one log entry.
+    Create(Vec<NewJob>),
+    /// Activate up to `max_jobs` activatable jobs (long polling).
+    Activate {
+        props: ActivationProps,
+        max_jobs: u32,
+    },
+    Complete {
+        key: JobKey,
+        variables: Option<String>,
+    },
+    Fail {
+        key: JobKey,
+        retries: i32,
+        error_message: String,
+        retry_backoff_ms: i64,
+        variables: Option<String>,
+    },
+    ThrowError {
+        key: JobKey,
+        error_code: String,
+        error_message: String,
+        variables: Option<String>,
+    },
+    UpdateRetries {
+        key: JobKey,
+        retries: i32,
+    },
+    UpdateTimeout {
+        key: JobKey,
+        timeout_ms: i64,
+    },
+    Cancel {
+        key: JobKey,
+    },
+}
+
+/// A request from a gateway to the leader of one partition.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// A change, replicated through the log.
+    Command(Command),
+    /// Read one job from the leader's state.
+    GetJob { key: JobKey },
+}
+
+/// The successful answer to a [`Request`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    Created(Vec<JobKey>),
+    Activated(Vec<ActivatedJob>),
+    Done,
+    Job(JobView),
+}
+
+/// Why a broker refused a request. Each kind maps to one gRPC status code.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum BrokerError {
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
+    ResourceExhausted(String),
+    #[error("{0}")]
+    Unavailable(String),
+    /// This broker does not lead the partition; `leader` is its best guess of who does.
+    #[error("broker does not lead partition {partition} (leader hint: {leader:?})")]
+    NotLeader {
+        partition: PartitionId,
+        leader: Option<NodeId>,
+    },
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl BrokerError {
+    /// Whether a caller may retry the same request (elsewhere or later).
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            BrokerError::Unavailable(_)
+                | BrokerError::NotLeader { .. }
+                | BrokerError::ResourceExhausted(_)
+        )
+    }
+}
+
+/// The one mapping from broker errors to gRPC statuses, used by gateway and broker.
+impl From<BrokerError> for tonic::Status {
+    fn from(e: BrokerError) -> Self {
+        use tonic::Status;
+        match e {
+            BrokerError::InvalidArgument(m) => Status::invalid_argument(m),
+            BrokerError::NotFound(m) => Status::not_found(m),
+            BrokerError::FailedPrecondition(m) => Status::failed_precondition(m),
+            BrokerError::ResourceExhausted(m) => Status::resource_exhausted(m),
+            BrokerError::Unavailable(m) => Status::unavailable(m),
+            e @ BrokerError::NotLeader { .. } => Status::unavailable(e.to_string()),
+            BrokerError::Internal(m) => Status::internal(m),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_round_trip_their_partition() {
+        for p in [1u32, 2, 3, 1000] {
+            let k = JobKey::new(PartitionId(p), 42);
+            assert_eq!(k.partition(), Some(PartitionId(p)));
+            assert_eq!(k.0 & ((1 << KEY_PARTITION_SHIFT) - 1), 42);
+        }
+        // Zeebe's published layout: partition 1, counter 1.
+        assert_eq!(JobKey::new(PartitionId(1), 1).0, 2251799813685249);
+        assert_eq!(JobKey(0).partition(), None);
+        assert_eq!(JobKey(-5).partition(), None);
+        assert_eq!(JobKey(17).partition(), None);
+    }
+}

@@ -1,0 +1,33 @@
+//! # Layout
+//! - [`gateway_protocol`]: Zeebe's job API (generated), spoken to workers.
+//! - [`courier_v1`]: Courier's producer API (generated).
+//! - [`cluster`]: broker <-> broker and gateway <-> broker traffic (generated).
+//! - [`domain`]: the types every other crate works with (job keys, requests,
+//!   replies, errors), independent of the wire.
+//! - [`validate`]: checks on client input that map to INVALID_ARGUMENT.
+//! - [`codec`]: the one place that turns domain values into cluster payloads and back.
+
+#![allow(clippy::derive_partial_eq_without_eq)]
+
+pub mod codec;
+pub mod convert;
+pub mod domain;
+pub mod validate;
+
+/// Zeebe's gateway protocol, job part.
+#[allow(missing_docs, clippy::all)]
+pub mod gateway_protocol {
+    tonic::include_proto!("gateway_protocol");
+}
+
+/// Courier's producer API.
+#[allow(missing_docs, clippy::all)]
+pub mod courier_v1 {
+    tonic::include_proto!("courier.v1");
+}
+
+/// Traffic inside a cluster.
+#[allow(missing_docs, clippy::all)]
+pub mod cluster {
+    tonic::include_proto!("courier.cluster");
+}
