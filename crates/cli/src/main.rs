@@ -1,1 +1,55 @@
-fn main() {}
+//! The `courier` binary: servers (`dev`, `broker`, `gateway`) and the client side
+//! (`job ...`, `status`). Thin: everything real lives in the library crates.
+
+mod client_cmds;
+mod servers;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "courier", version, about = "Courier: a clustered job-push broker")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a whole cluster (brokers and a gateway) in this process.
+    Dev(servers::DevArgs),
+    /// Run one broker of a multi-process cluster.
+    Broker(servers::BrokerArgs),
+    /// Run a gateway in front of a cluster's brokers.
+    Gateway(servers::GatewayArgs),
+    /// Create, inspect and drive jobs.
+    Job {
+        #[command(flatten)]
+        conn: client_cmds::ClientOpts,
+        #[command(subcommand)]
+        cmd: client_cmds::JobCmd,
+    },
+    /// Show the cluster's brokers, partitions, leaders and health.
+    Status {
+        #[command(flatten)]
+        conn: client_cmds::ClientOpts,
+    },
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Dev(a) => servers::dev(a).await,
+        Cmd::Broker(a) => servers::broker(a).await,
+        Cmd::Gateway(a) => servers::gateway(a).await,
+        Cmd::Job { conn, cmd } => client_cmds::job(conn, cmd).await,
+        Cmd::Status { conn } => client_cmds::status(conn).await,
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,608 @@
+//! The job engine: a pure, deterministic function of (state, command) -> (reply,
+//! effects, changed jobs).
+//!
+//! No I/O, clock, randomness or broker-local reads happen here: every replica that
+//! applies log entry N ends in the same state. What only the leader may decide (the
+//! timestamp) arrives inside the [`Batch`]. Effects are carried out by the leader
+//! after the entry is applied; followers drop them.
+
+use courier_proto::domain::{
+    ActivatedJob, ActivationProps, BrokerError, Command, JobKey, JobStateKind, JobView, NewJob,
+    PartitionId, ProcessContext, Reply,
+};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+#[cfg(test)]
+mod tests;
+
+/// One replicated log entry: every command a partition's proposer drained while
+/// the previous entry was in flight, stamped with the leader's clock.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Batch {
+    /// Epoch ms, decided by the leader before proposing.
+    pub ts: i64,
+    pub commands: Vec<LogCommand>,
+}
+
+/// A command as written to the log.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LogCommand {
+    /// A client's command.
+    Client(Command),
+    /// Activations the leader's timer found past their deadline; re-checked on apply.
+    TimeOut(Vec<JobKey>),
+    /// Failed jobs the leader's timer found past their retry back-off; re-checked on apply.
+    Recur(Vec<JobKey>),
+}
+
+/// What the leader does after applying an entry.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Effect {
+    /// Jobs of this type and tenant became activatable: wake parked long polls.
+    JobsAvailable { job_type: String, tenant_id: String },
+}
+
+/// A job's lifecycle state while it exists. Completed and canceled jobs are removed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobStatus {
+    /// Waiting to be activated; `seq` orders its type's queue (oldest first).
+    Activatable { seq: u64 },
+    /// Held by a worker until `deadline`; `lease` is unique per activation.
+    Activated {
+        worker: String,
+        deadline: i64,
+        lease: u64,
+    },
+    /// Failed with retries left; runnable again at `retry_at`.
+    BackOff { retry_at: i64 },
+    /// Failed without retries left: waits for UpdateJobRetries.
+    Incident,
+    /// A worker threw a business error; terminal, kept so its code and message can be read.
+    ErrorThrown,
+}
+
+/// One job's record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Job {
+    pub key: JobKey,
+    pub job_type: String,
+    pub tenant_id: String,
+    pub variables: String,
+    pub custom_headers: String,
+    pub retries: i32,
+    pub process: ProcessContext,
+    pub created_at: i64,
+    pub status: JobStatus,
+    pub error_message: String,
+    pub error_code: String,
+}
+
+/// Counters that must advance identically on every replica.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    /// Last job counter used in a key.
+    pub last_key: u64,
+    /// Last queue position handed out.
+    pub last_seq: u64,
+    /// Last activation lease handed out.
+    pub last_lease: u64,
+}
+
+/// The jobs a command touched: the storage layer writes or deletes exactly these.
+pub type Changes = BTreeSet<JobKey>;
+
+/// A partition's state: the jobs and the indexes derived from them.
+#[derive(Clone, Debug)]
+pub struct State {
+    partition: PartitionId,
+    counters: Counters,
+    jobs: BTreeMap<JobKey, Job>,
+    /// (type, tenant) -> seq -> key: activatable jobs, oldest first.
+    queues: BTreeMap<(String, String), BTreeMap<u64, JobKey>>,
+    /// (deadline, key) of activated jobs.
+    deadlines: BTreeSet<(i64, JobKey)>,
+    /// (retry_at, key) of jobs in back-off.
+    backoffs: BTreeSet<(i64, JobKey)>,
+}
+
+impl State {
+    /// An empty partition.
+    pub fn new(partition: PartitionId) -> Self {
+        Self::from_parts(partition, Counters::default(), Vec::new())
+    }
+
+    /// Rebuilds the state (and its indexes) from stored jobs and counters.
+    pub fn from_parts(
+        partition: PartitionId,
+        counters: Counters,
+        jobs: impl IntoIterator<Item = Job>,
+    ) -> Self {
+        let mut s = State {
+            partition,
+            counters,
+            jobs: BTreeMap::new(),
+            queues: BTreeMap::new(),
+            deadlines: BTreeSet::new(),
+            backoffs: BTreeSet::new(),
+        };
+        for job in jobs {
+            s.index(&job);
+            s.jobs.insert(job.key, job);
+        }
+        s
+    }
+
+    pub fn partition(&self) -> PartitionId {
+        self.partition
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    pub fn job(&self, key: JobKey) -> Option<&Job> {
+        self.jobs.get(&key)
+    }
+
+    pub fn jobs(&self) -> impl Iterator<Item = &Job> {
+        self.jobs.values()
+    }
+
+    pub fn job_count(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// The earliest activation deadline, if any job is activated.
+    pub fn next_deadline(&self) -> Option<i64> {
+        self.deadlines.first().map(|(d, _)| *d)
+    }
+
+    /// The earliest end of a retry back-off, if any job is in back-off.
+    pub fn next_retry(&self) -> Option<i64> {
+        self.backoffs.first().map(|(d, _)| *d)
+    }
+
+    /// Activated jobs whose deadline is at or before `now`, at most `max`.
+    pub fn due_deadlines(&self, now: i64, max: usize) -> Vec<JobKey> {
+        self.deadlines
+            .iter()
+            .take_while(|(d, _)| *d <= now)
+            .take(max)
+            .map(|(_, k)| *k)
+            .collect()
+    }
+
+    /// Jobs in back-off whose retry time is at or before `now`, at most `max`.
+    pub fn due_retries(&self, now: i64, max: usize) -> Vec<JobKey> {
+        self.backoffs
+            .iter()
+            .take_while(|(d, _)| *d <= now)
+            .take(max)
+            .map(|(_, k)| *k)
+            .collect()
+    }
+
+    /// (type, tenant) pairs that have activatable jobs, e.g. to wake polls after a
+    /// leader change.
+    pub fn activatable_types(&self) -> Vec<(String, String)> {
+        self.queues
+            .iter()
+            .filter(|(_, q)| !q.is_empty())
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    /// The GetJob view of a job.
+    pub fn view(&self, key: JobKey) -> Option<JobView> {
+        let j = self.jobs.get(&key)?;
+        let (state, worker, deadline, retry_at) = match &j.status {
+            JobStatus::Activatable { .. } => (JobStateKind::Activatable, String::new(), 0, 0),
+            JobStatus::Activated {
+                worker, deadline, ..
+            } => (JobStateKind::Activated, worker.clone(), *deadline, 0),
+            JobStatus::BackOff { retry_at } => {
+                (JobStateKind::FailedBackOff, String::new(), 0, *retry_at)
+            }
+            JobStatus::Incident => (JobStateKind::Incident, String::new(), 0, 0),
+            JobStatus::ErrorThrown => (JobStateKind::ErrorThrown, String::new(), 0, 0),
+        };
+        Some(JobView {
+            key,
+            job_type: j.job_type.clone(),
+            state,
+            retries: j.retries,
+            worker,
+            deadline,
+            retry_at,
+            error_message: j.error_message.clone(),
+            error_code: j.error_code.clone(),
+            variables: j.variables.clone(),
+            custom_headers: j.custom_headers.clone(),
+            tenant_id: j.tenant_id.clone(),
+            created_at: j.created_at,
+        })
+    }
+
+    /// Applies one log entry: one reply per command, in order, and the entry's effects
+    /// (de-duplicated, in order of first occurrence).
+    pub fn apply_batch(&mut self, batch: &Batch, changes: &mut Changes) -> Applied {
+        let mut effects = Vec::new();
+        let replies = batch
+            .commands
+            .iter()
+            .map(|c| self.apply(batch.ts, c, &mut effects, changes))
+            .collect();
+        let mut seen = BTreeSet::new();
+        effects.retain(|e| seen.insert(e.clone()));
+        Applied { replies, effects }
+    }
+
+    /// Applies one command at time `ts`.
+    pub fn apply(
+        &mut self,
+        ts: i64,
+        cmd: &LogCommand,
+        effects: &mut Vec<Effect>,
+        changes: &mut Changes,
+    ) -> Result<Reply, BrokerError> {
+        match cmd {
+            LogCommand::Client(c) => self.apply_client(ts, c, effects, changes),
+            LogCommand::TimeOut(keys) => {
+                for key in keys {
+                    let due = matches!(
+                        self.jobs.get(key).map(|j| &j.status),
+                        Some(JobStatus::Activated { deadline, .. }) if *deadline <= ts
+                    );
+                    if due {
+                        self.make_activatable(*key, effects, changes);
+                    }
+                }
+                Ok(Reply::Done)
+            }
+            LogCommand::Recur(keys) => {
+                for key in keys {
+                    let due = matches!(
+                        self.jobs.get(key).map(|j| &j.status),
+                        Some(JobStatus::BackOff { retry_at }) if *retry_at <= ts
+                    );
+                    if due {
+                        self.make_activatable(*key, effects, changes);
+                    }
+                }
+                Ok(Reply::Done)
+            }
+        }
+    }
+
+    fn apply_client(
+        &mut self,
+        ts: i64,
+        cmd: &Command,
+        effects: &mut Vec<Effect>,
+        changes: &mut Changes,
+    ) -> Result<Reply, BrokerError> {
+        match cmd {
+            Command::Create(jobs) => Ok(Reply::Created(
+                jobs.iter()
+                    .map(|j| self.create(ts, j, effects, changes))
+                    .collect(),
+            )),
+            Command::Activate { props, max_jobs } => Ok(Reply::Activated(
+                self.activate(ts, props, *max_jobs, changes),
+            )),
+            Command::Complete { key, .. } => {
+                self.expect_activated(*key, "complete")?;
+                self.remove(*key, changes);
+                Ok(Reply::Done)
+            }
+            Command::Fail {
+                key,
+                retries,
+                error_message,
+                retry_backoff_ms,
+                variables,
+            } => {
+                self.expect_activated(*key, "fail")?;
+                self.unindex(*key);
+                let job = self.job_mut(*key, "fail")?;
+                job.retries = (*retries).max(0);
+                job.error_message = error_message.clone();
+                if let Some(v) = variables {
+                    job.variables = merge_objects(&job.variables, v);
+                }
+                changes.insert(*key);
+                if *retries <= 0 {
+                    job.status = JobStatus::Incident;
+                } else if *retry_backoff_ms > 0 {
+                    job.status = JobStatus::BackOff {
+                        retry_at: ts.saturating_add(*retry_backoff_ms),
+                    };
+                    self.reindex(*key);
+                } else {
+                    self.make_activatable(*key, effects, changes);
+                }
+                Ok(Reply::Done)
+            }
+            Command::ThrowError {
+                key,
+                error_code,
+                error_message,
+                variables,
+            } => {
+                self.expect_activated(*key, "throw an error for")?;
+                self.unindex(*key);
+                let job = self.job_mut(*key, "throw an error for")?;
+                job.error_code = error_code.clone();
+                job.error_message = error_message.clone();
+                if let Some(v) = variables {
+                    job.variables = merge_objects(&job.variables, v);
+                }
+                job.status = JobStatus::ErrorThrown;
+                changes.insert(*key);
+                Ok(Reply::Done)
+            }
+            Command::UpdateRetries { key, retries } => {
+                if *retries < 1 {
+                    return Err(BrokerError::InvalidArgument(format!(
+                        "retries must be at least 1, got {retries}"
+                    )));
+                }
+                let job = self.job_mut(*key, "update retries of")?;
+                if job.status == JobStatus::ErrorThrown {
+                    return Err(precondition(*key, "update retries of", &job.status));
+                }
+                job.retries = *retries;
+                let incident = job.status == JobStatus::Incident;
+                changes.insert(*key);
+                if incident {
+                    self.make_activatable(*key, effects, changes);
+                }
+                Ok(Reply::Done)
+            }
+            Command::UpdateTimeout { key, timeout_ms } => {
+                self.expect_activated(*key, "update the timeout of")?;
+                self.unindex(*key);
+                let job = self.job_mut(*key, "update the timeout of")?;
+                if let JobStatus::Activated { deadline, .. } = &mut job.status {
+                    *deadline = ts.saturating_add(*timeout_ms);
+                }
+                self.reindex(*key);
+                changes.insert(*key);
+                Ok(Reply::Done)
+            }
+            Command::Cancel { key } => {
+                if !self.jobs.contains_key(key) {
+                    return Err(not_found(*key, "cancel"));
+                }
+                self.remove(*key, changes);
+                Ok(Reply::Done)
+            }
+        }
+    }
+
+    fn create(
+        &mut self,
+        ts: i64,
+        new: &NewJob,
+        effects: &mut Vec<Effect>,
+        changes: &mut Changes,
+    ) -> JobKey {
+        self.counters.last_key += 1;
+        let key = JobKey::new(self.partition, self.counters.last_key);
+        self.jobs.insert(
+            key,
+            Job {
+                key,
+                job_type: new.job_type.clone(),
+                tenant_id: new.tenant_id.clone(),
+                variables: new.variables.clone(),
+                custom_headers: new.custom_headers.clone(),
+                retries: new.retries,
+                process: new.process.clone(),
+                created_at: ts,
+                status: JobStatus::Activatable { seq: 0 },
+                error_message: String::new(),
+                error_code: String::new(),
+            },
+        );
+        self.make_activatable(key, effects, changes);
+        key
+    }
+
+    /// Activates up to `max` of the oldest activatable jobs matching `props`.
+    fn activate(
+        &mut self,
+        ts: i64,
+        props: &ActivationProps,
+        max: u32,
+        changes: &mut Changes,
+    ) -> Vec<ActivatedJob> {
+        let mut picked: Vec<(u64, JobKey)> = Vec::new();
+        for tenant in &props.tenant_ids {
+            if let Some(q) = self.queues.get(&(props.job_type.clone(), tenant.clone())) {
+                picked.extend(q.iter().take(max as usize).map(|(s, k)| (*s, *k)));
+            }
+        }
+        picked.sort_unstable();
+        picked.truncate(max as usize);
+        picked
+            .into_iter()
+            .filter_map(|(_, key)| self.activate_one(ts, key, props, changes))
+            .collect()
+    }
+
+    fn activate_one(
+        &mut self,
+        ts: i64,
+        key: JobKey,
+        props: &ActivationProps,
+        changes: &mut Changes,
+    ) -> Option<ActivatedJob> {
+        self.unindex(key);
+        self.counters.last_lease += 1;
+        let lease = self.counters.last_lease;
+        let deadline = ts.saturating_add(props.timeout_ms);
+        let job = self.jobs.get_mut(&key)?;
+        job.status = JobStatus::Activated {
+            worker: props.worker.clone(),
+            deadline,
+            lease,
+        };
+        let activated = ActivatedJob {
+            key,
+            job_type: job.job_type.clone(),
+            worker: props.worker.clone(),
+            retries: job.retries,
+            deadline,
+            variables: filter_variables(&job.variables, &props.fetch_variables),
+            custom_headers: job.custom_headers.clone(),
+            tenant_id: job.tenant_id.clone(),
+            process: job.process.clone(),
+        };
+        self.reindex(key);
+        changes.insert(key);
+        Some(activated)
+    }
+
+    /// Puts an existing job at the back of its type's queue and announces it.
+    fn make_activatable(&mut self, key: JobKey, effects: &mut Vec<Effect>, changes: &mut Changes) {
+        self.unindex(key);
+        self.counters.last_seq += 1;
+        let seq = self.counters.last_seq;
+        let Some(job) = self.jobs.get_mut(&key) else {
+            return;
+        };
+        job.status = JobStatus::Activatable { seq };
+        effects.push(Effect::JobsAvailable {
+            job_type: job.job_type.clone(),
+            tenant_id: job.tenant_id.clone(),
+        });
+        self.reindex(key);
+        changes.insert(key);
+    }
+
+    fn remove(&mut self, key: JobKey, changes: &mut Changes) {
+        self.unindex(key);
+        self.jobs.remove(&key);
+        changes.insert(key);
+    }
+
+    fn expect_activated(&self, key: JobKey, action: &str) -> Result<(), BrokerError> {
+        match self.jobs.get(&key) {
+            None => Err(not_found(key, action)),
+            Some(j) if matches!(j.status, JobStatus::Activated { .. }) => Ok(()),
+            Some(j) => Err(precondition(key, action, &j.status)),
+        }
+    }
+
+    fn job_mut(&mut self, key: JobKey, action: &str) -> Result<&mut Job, BrokerError> {
+        self.jobs
+            .get_mut(&key)
+            .ok_or_else(|| not_found(key, action))
+    }
+
+    fn index(&mut self, job: &Job) {
+        match &job.status {
+            JobStatus::Activatable { seq } => {
+                self.queues
+                    .entry((job.job_type.clone(), job.tenant_id.clone()))
+                    .or_default()
+                    .insert(*seq, job.key);
+            }
+            JobStatus::Activated { deadline, .. } => {
+                self.deadlines.insert((*deadline, job.key));
+            }
+            JobStatus::BackOff { retry_at } => {
+                self.backoffs.insert((*retry_at, job.key));
+            }
+            JobStatus::Incident | JobStatus::ErrorThrown => {}
+        }
+    }
+
+    fn reindex(&mut self, key: JobKey) {
+        if let Some(job) = self.jobs.get(&key).cloned() {
+            self.index(&job);
+        }
+    }
+
+    fn unindex(&mut self, key: JobKey) {
+        let Some(job) = self.jobs.get(&key) else {
+            return;
+        };
+        match &job.status {
+            JobStatus::Activatable { seq } => {
+                let qk = (job.job_type.clone(), job.tenant_id.clone());
+                if let Some(q) = self.queues.get_mut(&qk) {
+                    q.remove(seq);
+                    if q.is_empty() {
+                        self.queues.remove(&qk);
+                    }
+                }
+            }
+            JobStatus::Activated { deadline, .. } => {
+                self.deadlines.remove(&(*deadline, key));
+            }
+            JobStatus::BackOff { retry_at } => {
+                self.backoffs.remove(&(*retry_at, key));
+            }
+            JobStatus::Incident | JobStatus::ErrorThrown => {}
+        }
+    }
+}
+
+/// The replies and effects of one applied entry.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Applied {
+    pub replies: Vec<Result<Reply, BrokerError>>,
+    pub effects: Vec<Effect>,
+}
+
+fn not_found(key: JobKey, action: &str) -> BrokerError {
+    BrokerError::NotFound(format!(
+        "expected to {action} job with key '{key}', but no such job was found"
+    ))
+}
+
+fn precondition(key: JobKey, action: &str, status: &JobStatus) -> BrokerError {
+    let what = match status {
+        JobStatus::Activatable { .. } => "it is activatable, not activated",
+        JobStatus::Activated { .. } => "it is activated",
+        JobStatus::BackOff { .. } => "it failed and is waiting for its retry back-off",
+        JobStatus::Incident => "it failed without retries left (an incident)",
+        JobStatus::ErrorThrown => "an error was thrown for it",
+    };
+    BrokerError::FailedPrecondition(format!(
+        "expected to {action} job with key '{key}', but {what}"
+    ))
+}
+
+/// Keeps only the variables a worker asked for; all of them when it named none.
+fn filter_variables(doc: &str, fetch: &[String]) -> String {
+    if fetch.is_empty() {
+        return doc.to_string();
+    }
+    match serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(doc) {
+        Ok(mut map) => {
+            map.retain(|k, _| fetch.iter().any(|f| f == k));
+            serde_json::Value::Object(map).to_string()
+        }
+        Err(_) => doc.to_string(),
+    }
+}
+
+/// Top-level merge of two JSON objects; keys of `update` win.
+fn merge_objects(base: &str, update: &str) -> String {
+    type Map = serde_json::Map<String, serde_json::Value>;
+    match (
+        serde_json::from_str::<Map>(base),
+        serde_json::from_str::<Map>(update),
+    ) {
+        (Ok(mut b), Ok(u)) => {
+            b.extend(u);
+            serde_json::Value::Object(b).to_string()
+        }
+        (Err(_), Ok(_)) => update.to_string(),
+        _ => base.to_string(),
+    }
+}

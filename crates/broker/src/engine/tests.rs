@@ -1,0 +1,554 @@
+//! Exact-effect tests of every transition and rejection of the engine.
+
+use super::*;
+use courier_proto::domain::DEFAULT_TENANT;
+
+const P: PartitionId = PartitionId(1);
+const T0: i64 = 1_000_000;
+
+fn new_job(t: &str) -> NewJob {
+    NewJob {
+        job_type: t.to_string(),
+        variables: r#"{"a":1,"b":2}"#.to_string(),
+        custom_headers: "{}".to_string(),
+        retries: 3,
+        tenant_id: DEFAULT_TENANT.to_string(),
+        process: ProcessContext::default(),
+    }
+}
+
+fn props(t: &str, timeout_ms: i64) -> ActivationProps {
+    ActivationProps {
+        job_type: t.to_string(),
+        worker: "w1".to_string(),
+        timeout_ms,
+        fetch_variables: vec![],
+        tenant_ids: vec![DEFAULT_TENANT.to_string()],
+    }
+}
+
+fn available(t: &str) -> Effect {
+    Effect::JobsAvailable {
+        job_type: t.to_string(),
+        tenant_id: DEFAULT_TENANT.to_string(),
+    }
+}
+
+/// Applies one client command at `ts`, returning reply, effects and changes.
+fn run(s: &mut State, ts: i64, c: Command) -> (Result<Reply, BrokerError>, Vec<Effect>, Changes) {
+    run_log(s, ts, LogCommand::Client(c))
+}
+
+fn run_log(
+    s: &mut State,
+    ts: i64,
+    c: LogCommand,
+) -> (Result<Reply, BrokerError>, Vec<Effect>, Changes) {
+    let mut changes = Changes::new();
+    let applied = s.apply_batch(
+        &Batch {
+            ts,
+            commands: vec![c],
+        },
+        &mut changes,
+    );
+    let reply = applied.replies.into_iter().next().expect("one reply");
+    (reply, applied.effects, changes)
+}
+
+fn create(s: &mut State, t: &str) -> JobKey {
+    match run(s, T0, Command::Create(vec![new_job(t)])).0 {
+        Ok(Reply::Created(keys)) => keys[0],
+        other => panic!("create failed: {other:?}"),
+    }
+}
+
+fn activate(s: &mut State, ts: i64, t: &str, max: u32) -> Vec<ActivatedJob> {
+    match run(
+        s,
+        ts,
+        Command::Activate {
+            props: props(t, 1000),
+            max_jobs: max,
+        },
+    )
+    .0
+    {
+        Ok(Reply::Activated(jobs)) => jobs,
+        other => panic!("activate failed: {other:?}"),
+    }
+}
+
+fn keys(ks: &[JobKey]) -> Changes {
+    ks.iter().copied().collect()
+}
+
+fn status(s: &State, k: JobKey) -> JobStatus {
+    s.job(k).expect("job exists").status.clone()
+}
+
+#[test]
+fn create_assigns_partition_keys_and_announces_the_type() {
+    let mut s = State::new(PartitionId(3));
+    let (reply, effects, changes) = run(
+        &mut s,
+        T0,
+        Command::Create(vec![new_job("a"), new_job("a"), new_job("b")]),
+    );
+    let k1 = JobKey::new(PartitionId(3), 1);
+    let k2 = JobKey::new(PartitionId(3), 2);
+    let k3 = JobKey::new(PartitionId(3), 3);
+    assert_eq!(reply, Ok(Reply::Created(vec![k1, k2, k3])));
+    // De-duplicated per entry, in order of first occurrence.
+    assert_eq!(effects, vec![available("a"), available("b")]);
+    assert_eq!(changes, keys(&[k1, k2, k3]));
+    assert_eq!(status(&s, k1), JobStatus::Activatable { seq: 1 });
+    assert_eq!(s.job(k1).map(|j| j.created_at), Some(T0));
+    assert_eq!(s.counters().last_key, 3);
+}
+
+#[test]
+fn activate_takes_oldest_first_with_deadline_lease_and_filtered_variables() {
+    let mut s = State::new(P);
+    let k1 = create(&mut s, "a");
+    let k2 = create(&mut s, "a");
+    let _other = create(&mut s, "b");
+    let mut p = props("a", 5000);
+    p.fetch_variables = vec!["b".to_string()];
+    let (reply, effects, changes) = run(
+        &mut s,
+        T0 + 10,
+        Command::Activate {
+            props: p,
+            max_jobs: 1,
+        },
+    );
+    let Ok(Reply::Activated(jobs)) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(jobs.len(), 1);
+    assert_eq!(jobs[0].key, k1);
+    assert_eq!(jobs[0].deadline, T0 + 5010);
+    assert_eq!(jobs[0].variables, r#"{"b":2}"#);
+    assert_eq!(jobs[0].worker, "w1");
+    assert_eq!(jobs[0].retries, 3);
+    assert!(effects.is_empty());
+    assert_eq!(changes, keys(&[k1]));
+    assert_eq!(
+        status(&s, k1),
+        JobStatus::Activated {
+            worker: "w1".into(),
+            deadline: T0 + 5010,
+            lease: 1
+        }
+    );
+    // Next activation gets the next job with a new lease; the queue is then empty.
+    let jobs = activate(&mut s, T0 + 20, "a", 10);
+    assert_eq!(jobs.iter().map(|j| j.key).collect::<Vec<_>>(), vec![k2]);
+    assert!(matches!(
+        status(&s, k2),
+        JobStatus::Activated { lease: 2, .. }
+    ));
+    assert!(activate(&mut s, T0 + 30, "a", 10).is_empty());
+    assert_eq!(
+        s.next_deadline(),
+        Some(T0 + 1020),
+        "the second activation (1 s) ends first"
+    );
+}
+
+#[test]
+fn activate_respects_tenants() {
+    let mut s = State::new(P);
+    let mut j = new_job("a");
+    j.tenant_id = "acme".into();
+    let (reply, effects, _) = run(&mut s, T0, Command::Create(vec![j]));
+    let Ok(Reply::Created(ks)) = reply else {
+        panic!()
+    };
+    assert_eq!(
+        effects,
+        vec![Effect::JobsAvailable {
+            job_type: "a".into(),
+            tenant_id: "acme".into()
+        }]
+    );
+    assert!(
+        activate(&mut s, T0, "a", 10).is_empty(),
+        "default tenant sees nothing"
+    );
+    let mut p = props("a", 100);
+    p.tenant_ids = vec!["acme".into(), DEFAULT_TENANT.into()];
+    let (reply, _, _) = run(
+        &mut s,
+        T0,
+        Command::Activate {
+            props: p,
+            max_jobs: 5,
+        },
+    );
+    assert!(matches!(reply, Ok(Reply::Activated(ref v)) if v.len() == 1 && v[0].key == ks[0]));
+}
+
+#[test]
+fn complete_removes_the_job_and_twice_is_not_found() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    activate(&mut s, T0, "a", 1);
+    let c = Command::Complete {
+        key: k,
+        variables: None,
+    };
+    let (reply, effects, changes) = run(&mut s, T0, c.clone());
+    assert_eq!(reply, Ok(Reply::Done));
+    assert!(effects.is_empty());
+    assert_eq!(changes, keys(&[k]));
+    assert!(s.job(k).is_none());
+    assert_eq!(s.next_deadline(), None);
+    let (reply, _, changes) = run(&mut s, T0, c);
+    assert!(matches!(reply, Err(BrokerError::NotFound(ref m)) if m.contains("no such job")));
+    assert!(changes.is_empty());
+}
+
+#[test]
+fn commands_on_a_job_that_is_not_activated_are_failed_preconditions() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    for c in [
+        Command::Complete {
+            key: k,
+            variables: None,
+        },
+        Command::Fail {
+            key: k,
+            retries: 1,
+            error_message: "x".into(),
+            retry_backoff_ms: 0,
+            variables: None,
+        },
+        Command::ThrowError {
+            key: k,
+            error_code: "E".into(),
+            error_message: "x".into(),
+            variables: None,
+        },
+        Command::UpdateTimeout {
+            key: k,
+            timeout_ms: 10,
+        },
+    ] {
+        let (reply, effects, changes) = run(&mut s, T0, c);
+        assert!(
+            matches!(reply, Err(BrokerError::FailedPrecondition(ref m)) if m.contains("activatable")),
+            "{reply:?}"
+        );
+        assert!(effects.is_empty());
+        assert!(changes.is_empty());
+    }
+    assert_eq!(status(&s, k), JobStatus::Activatable { seq: 1 });
+}
+
+#[test]
+fn unknown_keys_are_not_found_for_every_command() {
+    let mut s = State::new(P);
+    let k = JobKey::new(P, 99);
+    for c in [
+        Command::Complete {
+            key: k,
+            variables: None,
+        },
+        Command::Fail {
+            key: k,
+            retries: 1,
+            error_message: String::new(),
+            retry_backoff_ms: 0,
+            variables: None,
+        },
+        Command::ThrowError {
+            key: k,
+            error_code: "E".into(),
+            error_message: String::new(),
+            variables: None,
+        },
+        Command::UpdateRetries { key: k, retries: 1 },
+        Command::UpdateTimeout {
+            key: k,
+            timeout_ms: 1,
+        },
+        Command::Cancel { key: k },
+    ] {
+        let (reply, effects, changes) = run(&mut s, T0, c);
+        assert!(matches!(reply, Err(BrokerError::NotFound(_))), "{reply:?}");
+        assert!(effects.is_empty() && changes.is_empty());
+    }
+}
+
+#[test]
+fn fail_with_retries_and_no_backoff_is_runnable_at_once() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    activate(&mut s, T0, "a", 1);
+    let (reply, effects, changes) = run(
+        &mut s,
+        T0 + 5,
+        Command::Fail {
+            key: k,
+            retries: 2,
+            error_message: "boom".into(),
+            retry_backoff_ms: 0,
+            variables: Some(r#"{"b":9,"c":3}"#.into()),
+        },
+    );
+    assert_eq!(reply, Ok(Reply::Done));
+    assert_eq!(effects, vec![available("a")]);
+    assert_eq!(changes, keys(&[k]));
+    let j = s.job(k).expect("job");
+    assert_eq!(j.retries, 2);
+    assert_eq!(j.error_message, "boom");
+    assert_eq!(j.variables, r#"{"a":1,"b":9,"c":3}"#);
+    assert_eq!(j.status, JobStatus::Activatable { seq: 2 });
+    assert_eq!(s.next_deadline(), None);
+    assert_eq!(activate(&mut s, T0 + 6, "a", 1)[0].retries, 2);
+}
+
+#[test]
+fn fail_with_backoff_waits_then_recur_makes_it_runnable() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    activate(&mut s, T0, "a", 1);
+    let (reply, effects, _) = run(
+        &mut s,
+        T0 + 5,
+        Command::Fail {
+            key: k,
+            retries: 1,
+            error_message: "later".into(),
+            retry_backoff_ms: 100,
+            variables: None,
+        },
+    );
+    assert_eq!(reply, Ok(Reply::Done));
+    assert!(effects.is_empty());
+    assert_eq!(status(&s, k), JobStatus::BackOff { retry_at: T0 + 105 });
+    assert_eq!(s.next_retry(), Some(T0 + 105));
+    assert!(activate(&mut s, T0 + 6, "a", 1).is_empty());
+    assert_eq!(s.due_retries(T0 + 104, 10), vec![]);
+    assert_eq!(s.due_retries(T0 + 105, 10), vec![k]);
+    // A Recur applied before its time (a stale timer) is a no-op.
+    let (_, effects, changes) = run_log(&mut s, T0 + 50, LogCommand::Recur(vec![k]));
+    assert!(effects.is_empty() && changes.is_empty());
+    let (reply, effects, changes) = run_log(&mut s, T0 + 105, LogCommand::Recur(vec![k]));
+    assert_eq!(reply, Ok(Reply::Done));
+    assert_eq!(effects, vec![available("a")]);
+    assert_eq!(changes, keys(&[k]));
+    assert!(matches!(status(&s, k), JobStatus::Activatable { .. }));
+    assert_eq!(s.next_retry(), None);
+}
+
+#[test]
+fn fail_without_retries_is_an_incident_until_retries_are_updated() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    activate(&mut s, T0, "a", 1);
+    let (reply, effects, _) = run(
+        &mut s,
+        T0,
+        Command::Fail {
+            key: k,
+            retries: 0,
+            error_message: "dead".into(),
+            retry_backoff_ms: 500,
+            variables: None,
+        },
+    );
+    assert_eq!(reply, Ok(Reply::Done));
+    assert!(effects.is_empty());
+    assert_eq!(status(&s, k), JobStatus::Incident);
+    assert_eq!(s.view(k).map(|v| v.state), Some(JobStateKind::Incident));
+    assert!(activate(&mut s, T0, "a", 1).is_empty());
+
+    let (reply, _, _) = run(&mut s, T0, Command::UpdateRetries { key: k, retries: 0 });
+    assert!(matches!(reply, Err(BrokerError::InvalidArgument(_))));
+    let (reply, effects, changes) = run(&mut s, T0, Command::UpdateRetries { key: k, retries: 2 });
+    assert_eq!(reply, Ok(Reply::Done));
+    assert_eq!(effects, vec![available("a")]);
+    assert_eq!(changes, keys(&[k]));
+    assert_eq!(s.job(k).map(|j| j.retries), Some(2));
+    assert_eq!(activate(&mut s, T0, "a", 1)[0].key, k);
+}
+
+#[test]
+fn update_retries_of_a_runnable_job_only_sets_retries() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    let (reply, effects, changes) = run(&mut s, T0, Command::UpdateRetries { key: k, retries: 7 });
+    assert_eq!(reply, Ok(Reply::Done));
+    assert!(effects.is_empty());
+    assert_eq!(changes, keys(&[k]));
+    assert_eq!(s.job(k).map(|j| j.retries), Some(7));
+    assert_eq!(status(&s, k), JobStatus::Activatable { seq: 1 });
+}
+
+#[test]
+fn activation_timeout_makes_the_job_runnable_again() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    activate(&mut s, T0, "a", 1); // deadline T0 + 1000
+    assert_eq!(s.due_deadlines(T0 + 999, 10), vec![]);
+    assert_eq!(s.due_deadlines(T0 + 1000, 10), vec![k]);
+    let (_, effects, changes) = run_log(&mut s, T0 + 999, LogCommand::TimeOut(vec![k]));
+    assert!(effects.is_empty() && changes.is_empty(), "not yet due");
+    let (reply, effects, changes) = run_log(&mut s, T0 + 1000, LogCommand::TimeOut(vec![k]));
+    assert_eq!(reply, Ok(Reply::Done));
+    assert_eq!(effects, vec![available("a")]);
+    assert_eq!(changes, keys(&[k]));
+    assert_eq!(
+        s.job(k).map(|j| j.retries),
+        Some(3),
+        "a timeout costs no retry"
+    );
+    let again = activate(&mut s, T0 + 1001, "a", 1);
+    assert_eq!(again[0].key, k);
+    assert!(matches!(
+        status(&s, k),
+        JobStatus::Activated { lease: 2, .. }
+    ));
+}
+
+#[test]
+fn update_timeout_moves_the_deadline_from_now() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    activate(&mut s, T0, "a", 1);
+    let (reply, effects, changes) = run(
+        &mut s,
+        T0 + 500,
+        Command::UpdateTimeout {
+            key: k,
+            timeout_ms: 10_000,
+        },
+    );
+    assert_eq!(reply, Ok(Reply::Done));
+    assert!(effects.is_empty());
+    assert_eq!(changes, keys(&[k]));
+    assert_eq!(s.next_deadline(), Some(T0 + 10_500));
+    assert_eq!(s.due_deadlines(T0 + 1000, 10), vec![]);
+    // The old deadline no longer times the job out.
+    let (_, _, changes) = run_log(&mut s, T0 + 1000, LogCommand::TimeOut(vec![k]));
+    assert!(changes.is_empty());
+}
+
+#[test]
+fn throw_error_is_terminal_and_keeps_code_and_message() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    activate(&mut s, T0, "a", 1);
+    let (reply, effects, changes) = run(
+        &mut s,
+        T0,
+        Command::ThrowError {
+            key: k,
+            error_code: "NO_STOCK".into(),
+            error_message: "out of stock".into(),
+            variables: None,
+        },
+    );
+    assert_eq!(reply, Ok(Reply::Done));
+    assert!(effects.is_empty());
+    assert_eq!(changes, keys(&[k]));
+    let v = s.view(k).expect("kept");
+    assert_eq!(v.state, JobStateKind::ErrorThrown);
+    assert_eq!(v.error_code, "NO_STOCK");
+    assert_eq!(v.error_message, "out of stock");
+    assert_eq!(s.next_deadline(), None);
+    let (reply, _, _) = run(
+        &mut s,
+        T0,
+        Command::Complete {
+            key: k,
+            variables: None,
+        },
+    );
+    assert!(
+        matches!(reply, Err(BrokerError::FailedPrecondition(ref m)) if m.contains("error was thrown"))
+    );
+    let (reply, _, _) = run(&mut s, T0, Command::UpdateRetries { key: k, retries: 1 });
+    assert!(matches!(reply, Err(BrokerError::FailedPrecondition(_))));
+}
+
+#[test]
+fn cancel_removes_a_job_in_any_state() {
+    let mut s = State::new(P);
+    let a = create(&mut s, "a");
+    let b = create(&mut s, "a");
+    activate(&mut s, T0, "a", 1); // a is activated, b activatable
+    for k in [a, b] {
+        let (reply, effects, changes) = run(&mut s, T0, Command::Cancel { key: k });
+        assert_eq!(reply, Ok(Reply::Done));
+        assert!(effects.is_empty());
+        assert_eq!(changes, keys(&[k]));
+        assert!(s.job(k).is_none());
+    }
+    assert_eq!(s.next_deadline(), None);
+    assert!(s.activatable_types().is_empty());
+    let (reply, _, _) = run(
+        &mut s,
+        T0,
+        Command::Complete {
+            key: a,
+            variables: None,
+        },
+    );
+    assert!(matches!(reply, Err(BrokerError::NotFound(_))));
+}
+
+#[test]
+fn a_batch_answers_each_command_in_order_and_rejections_change_nothing() {
+    let mut s = State::new(P);
+    let mut changes = Changes::new();
+    let missing = JobKey::new(P, 77);
+    let applied = s.apply_batch(
+        &Batch {
+            ts: T0,
+            commands: vec![
+                LogCommand::Client(Command::Create(vec![new_job("a")])),
+                LogCommand::Client(Command::Cancel { key: missing }),
+                LogCommand::Client(Command::Activate {
+                    props: props("a", 10),
+                    max_jobs: 5,
+                }),
+            ],
+        },
+        &mut changes,
+    );
+    let k = JobKey::new(P, 1);
+    assert_eq!(applied.replies.len(), 3);
+    assert_eq!(applied.replies[0], Ok(Reply::Created(vec![k])));
+    assert!(matches!(applied.replies[1], Err(BrokerError::NotFound(_))));
+    assert!(matches!(applied.replies[2], Ok(Reply::Activated(ref v)) if v.len() == 1));
+    assert_eq!(applied.effects, vec![available("a")]);
+    assert_eq!(changes, keys(&[k]));
+}
+
+#[test]
+fn state_rebuilt_from_its_jobs_has_the_same_indexes() {
+    let mut s = State::new(P);
+    let a = create(&mut s, "a");
+    let _b = create(&mut s, "a");
+    let c = create(&mut s, "a");
+    activate(&mut s, T0, "a", 1); // a activated
+    assert_eq!(
+        run(&mut s, T0, Command::Cancel { key: c }).0,
+        Ok(Reply::Done)
+    );
+    let rebuilt = State::from_parts(P, s.counters().clone(), s.jobs().cloned());
+    assert_eq!(rebuilt.next_deadline(), s.next_deadline());
+    assert_eq!(rebuilt.activatable_types(), s.activatable_types());
+    assert_eq!(rebuilt.due_deadlines(i64::MAX, 10), vec![a]);
+    let mut s2 = rebuilt;
+    assert_eq!(
+        activate(&mut s2, T0, "a", 5),
+        activate(&mut s, T0, "a", 5),
+        "both replicas activate the same jobs with the same leases"
+    );
+}
