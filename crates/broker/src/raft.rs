@@ -1,0 +1,206 @@
+//! openraft wiring: the type config and the network client that carries Raft
+//! messages to peers over gRPC (`courier.cluster.Raft`), one channel per peer shared
+//! by all partitions, the partition id in every message.
+
+use crate::engine::{Applied, Batch};
+use courier_proto::cluster::{raft_client::RaftClient, RaftRequest, SnapshotChunk};
+use courier_proto::codec;
+use courier_proto::domain::PartitionId;
+use dashmap::DashMap;
+use openraft::error::{
+    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
+};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use openraft::{BasicNode, SnapshotMeta, Vote};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::transport::{Channel, Endpoint};
+
+openraft::declare_raft_types!(
+    /// Courier's Raft types: a log entry is a [`Batch`] of commands; applying one
+    /// yields the engine's [`Applied`] replies and effects.
+    pub TypeConfig:
+        D = Batch,
+        R = Applied,
+        NodeId = u64,
+        Node = BasicNode,
+        Entry = openraft::Entry<TypeConfig>,
+        SnapshotData = std::io::Cursor<Vec<u8>>,
+        AsyncRuntime = openraft::TokioRuntime,
+);
+
+/// The Raft handle of one partition.
+pub type Raft = openraft::Raft<TypeConfig>;
+type NodeId = u64;
+
+/// The header of a snapshot chunk; its bytes travel beside it as protobuf `bytes`.
+#[derive(Serialize, Deserialize)]
+pub struct SnapshotChunkHeader {
+    pub vote: Vote<NodeId>,
+    pub meta: SnapshotMeta<NodeId, BasicNode>,
+    pub offset: u64,
+    pub done: bool,
+}
+
+/// One lazily connected channel per peer address, shared by every partition.
+#[derive(Clone, Default)]
+pub struct PeerChannels {
+    channels: Arc<DashMap<String, Channel>>,
+}
+
+impl PeerChannels {
+    /// The channel to `addr`, created on first use; connecting happens lazily.
+    pub fn get(&self, addr: &str) -> Result<Channel, tonic::transport::Error> {
+        if let Some(c) = self.channels.get(addr) {
+            return Ok(c.clone());
+        }
+        let channel = Endpoint::from_shared(format!("http://{addr}"))?
+            .tcp_nodelay(true)
+            .connect_timeout(Duration::from_millis(500))
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(Duration::from_secs(5))
+            .keep_alive_while_idle(true)
+            .connect_lazy();
+        self.channels.insert(addr.to_string(), channel.clone());
+        Ok(channel)
+    }
+}
+
+/// Makes Raft network clients for one partition.
+pub struct Network {
+    pub partition: PartitionId,
+    pub peers: PeerChannels,
+}
+
+impl RaftNetworkFactory<TypeConfig> for Network {
+    type Network = PeerClient;
+
+    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerClient {
+        PeerClient {
+            partition: self.partition,
+            target,
+            client: self
+                .peers
+                .get(&node.addr)
+                .map(RaftClient::new)
+                .map_err(Arc::new),
+        }
+    }
+}
+
+/// Sends one partition's Raft messages to one peer.
+pub struct PeerClient {
+    partition: PartitionId,
+    target: NodeId,
+    client: Result<RaftClient<Channel>, Arc<tonic::transport::Error>>,
+}
+
+type RpcErr<E = openraft::error::Infallible> = RPCError<NodeId, BasicNode, RaftError<NodeId, E>>;
+
+/// Failures before any answer: an unreachable peer gets back-off, others are retried.
+fn transport_err<E: std::error::Error>(status: tonic::Status) -> RpcErr<E> {
+    match status.code() {
+        tonic::Code::Unavailable => RPCError::Unreachable(Unreachable::new(&status)),
+        _ => RPCError::Network(NetworkError::new(&status)),
+    }
+}
+
+fn codec_err<E: std::error::Error>(e: codec::CodecError) -> RpcErr<E> {
+    RPCError::Network(NetworkError::new(&e))
+}
+
+impl PeerClient {
+    fn client<E: std::error::Error>(&self) -> Result<RaftClient<Channel>, RpcErr<E>> {
+        self.client
+            .clone()
+            .map_err(|e| RPCError::Unreachable(Unreachable::new(e.as_ref())))
+    }
+
+    fn request<T>(&self, msg: T, option: &RPCOption) -> tonic::Request<T> {
+        let mut req = tonic::Request::new(msg);
+        req.set_timeout(option.hard_ttl());
+        req
+    }
+
+    /// Decodes a peer's `Result<Resp, RaftError<E>>` reply.
+    fn reply<R, E>(&self, payload: &[u8]) -> Result<R, RpcErr<E>>
+    where
+        R: serde::de::DeserializeOwned,
+        E: std::error::Error + serde::de::DeserializeOwned,
+    {
+        let r: Result<R, RaftError<NodeId, E>> = codec::decode(payload).map_err(codec_err)?;
+        r.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
+    }
+}
+
+impl RaftNetwork<TypeConfig> for PeerClient {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<NodeId>, RpcErr> {
+        let payload = codec::encode(&rpc).map_err(codec_err)?;
+        let req = self.request(
+            RaftRequest {
+                partition_id: self.partition.0,
+                payload,
+            },
+            &option,
+        );
+        let reply = self
+            .client()?
+            .append_entries(req)
+            .await
+            .map_err(transport_err)?;
+        self.reply(&reply.into_inner().payload)
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<InstallSnapshotResponse<NodeId>, RpcErr<InstallSnapshotError>> {
+        let header = SnapshotChunkHeader {
+            vote: rpc.vote,
+            meta: rpc.meta,
+            offset: rpc.offset,
+            done: rpc.done,
+        };
+        let req = self.request(
+            SnapshotChunk {
+                partition_id: self.partition.0,
+                header: codec::encode(&header).map_err(codec_err)?,
+                data: rpc.data.into(),
+            },
+            &option,
+        );
+        let reply = self
+            .client()?
+            .install_snapshot(req)
+            .await
+            .map_err(transport_err)?;
+        self.reply(&reply.into_inner().payload)
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<NodeId>, RpcErr> {
+        let payload = codec::encode(&rpc).map_err(codec_err)?;
+        let req = self.request(
+            RaftRequest {
+                partition_id: self.partition.0,
+                payload,
+            },
+            &option,
+        );
+        let reply = self.client()?.vote(req).await.map_err(transport_err)?;
+        self.reply(&reply.into_inner().payload)
+    }
+}

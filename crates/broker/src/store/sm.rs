@@ -1,0 +1,360 @@
+//! A partition's state machine: the engine's [`State`] in memory, persisted in fjall
+//! atomically with last-applied (one write batch per `apply` call), and its
+//! snapshots (the whole state, written to a file so it survives restarts).
+
+use super::{read_err, write_err, Db};
+use crate::engine::{Applied, Changes, Counters, Job, State};
+use crate::raft::TypeConfig;
+use courier_proto::domain::PartitionId;
+use fjall::Keyspace;
+use openraft::storage::{RaftStateMachine, Snapshot, SnapshotMeta};
+use openraft::{
+    BasicNode, Entry, EntryPayload, LogId, OptionalSend, RaftSnapshotBuilder, StorageError,
+    StoredMembership,
+};
+use serde::{Deserialize, Serialize};
+use std::io::Cursor;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
+use tokio::sync::Notify;
+
+type NodeId = u64;
+
+const APPLIED: &[u8] = b"sm.applied";
+const MEMBERSHIP: &[u8] = b"sm.membership";
+const COUNTERS: &[u8] = b"sm.counters";
+
+/// What is applied: the engine state and the log position it reflects. Kept under
+/// one lock so a snapshot always pairs a state with its own last-applied id.
+pub struct AppliedState {
+    pub state: State,
+    pub last_applied: Option<LogId<NodeId>>,
+    pub membership: StoredMembership<NodeId, BasicNode>,
+}
+
+/// The applied state, shared with the partition's leader-side tasks (timers, reads).
+pub struct SharedState {
+    inner: RwLock<AppliedState>,
+    /// Woken after every apply, so timers re-read the earliest deadline.
+    pub applied: Notify,
+}
+
+impl SharedState {
+    /// Reads the applied state. Never held across an await.
+    pub fn read(&self) -> RwLockReadGuard<'_, AppliedState> {
+        self.inner.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, AppliedState> {
+        self.inner.write().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The data of a snapshot: every job and the counters.
+#[derive(Serialize, Deserialize)]
+struct SnapshotData {
+    counters: Counters,
+    jobs: Vec<Job>,
+}
+
+/// The latest snapshot, as built or installed.
+#[derive(Clone)]
+struct StoredSnapshot {
+    meta: SnapshotMeta<NodeId, BasicNode>,
+    data: Arc<Vec<u8>>,
+}
+
+/// The state machine of one partition.
+pub struct StateMachine {
+    db: Db,
+    jobs: Keyspace,
+    meta: Keyspace,
+    shared: Arc<SharedState>,
+    snapshot: Arc<Mutex<Option<StoredSnapshot>>>,
+    snapshot_path: PathBuf,
+}
+
+impl StateMachine {
+    /// Opens the state of `partition`, loading its jobs and the last snapshot.
+    pub fn open(
+        db: &Db,
+        partition: PartitionId,
+        snapshot_dir: PathBuf,
+    ) -> Result<StateMachine, StorageError<NodeId>> {
+        let jobs = db
+            .keyspace(&format!("p{}.jobs", partition.0))
+            .map_err(read_err)?;
+        let meta = db
+            .keyspace(&format!("p{}.meta", partition.0))
+            .map_err(read_err)?;
+        let get = |k: &[u8]| -> Result<Option<fjall::Slice>, StorageError<NodeId>> {
+            meta.get(k).map_err(read_err)
+        };
+        let last_applied: Option<LogId<NodeId>> = match get(APPLIED)? {
+            Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
+            None => None,
+        };
+        let membership = match get(MEMBERSHIP)? {
+            Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
+            None => StoredMembership::default(),
+        };
+        let counters = match get(COUNTERS)? {
+            Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
+            None => Counters::default(),
+        };
+        let mut loaded = Vec::new();
+        for g in jobs.iter() {
+            let (_, v) = g.into_inner().map_err(read_err)?;
+            loaded.push(serde_json::from_slice::<Job>(&v).map_err(read_err)?);
+        }
+        std::fs::create_dir_all(&snapshot_dir).map_err(read_err)?;
+        let snapshot_path = snapshot_dir.join(format!("p{}.snapshot", partition.0));
+        let snapshot = load_snapshot(&snapshot_path)?;
+        Ok(StateMachine {
+            db: db.clone(),
+            jobs,
+            meta,
+            shared: Arc::new(SharedState {
+                inner: RwLock::new(AppliedState {
+                    state: State::from_parts(partition, counters, loaded),
+                    last_applied,
+                    membership,
+                }),
+                applied: Notify::new(),
+            }),
+            snapshot: Arc::new(Mutex::new(snapshot)),
+            snapshot_path,
+        })
+    }
+
+    /// The applied state, for the partition's leader-side tasks.
+    pub fn shared(&self) -> Arc<SharedState> {
+        self.shared.clone()
+    }
+
+    /// Writes the changed jobs, the counters and last-applied in one atomic batch.
+    fn persist(&self, a: &AppliedState, changes: &Changes) -> Result<(), StorageError<NodeId>> {
+        let mut batch = self.db.database().batch();
+        for key in changes {
+            let k = (key.0 as u64).to_be_bytes();
+            match a.state.job(*key) {
+                Some(job) => {
+                    batch.insert(&self.jobs, k, serde_json::to_vec(job).map_err(write_err)?)
+                }
+                None => batch.remove(&self.jobs, k),
+            }
+        }
+        self.put_meta(&mut batch, a)?;
+        batch.commit().map_err(write_err)
+    }
+
+    fn put_meta(
+        &self,
+        batch: &mut fjall::OwnedWriteBatch,
+        a: &AppliedState,
+    ) -> Result<(), StorageError<NodeId>> {
+        let enc = |r: Result<Vec<u8>, serde_json::Error>| r.map_err(write_err);
+        batch.insert(
+            &self.meta,
+            APPLIED,
+            enc(serde_json::to_vec(&a.last_applied))?,
+        );
+        batch.insert(
+            &self.meta,
+            MEMBERSHIP,
+            enc(serde_json::to_vec(&a.membership))?,
+        );
+        batch.insert(
+            &self.meta,
+            COUNTERS,
+            enc(serde_json::to_vec(a.state.counters()))?,
+        );
+        Ok(())
+    }
+}
+
+fn load_snapshot(path: &PathBuf) -> Result<Option<StoredSnapshot>, StorageError<NodeId>> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(read_err(e)),
+    };
+    let (meta, data) = split_snapshot_file(&bytes).ok_or_else(|| {
+        read_err(std::io::Error::other(format!(
+            "snapshot file {} is corrupt",
+            path.display()
+        )))
+    })?;
+    let meta = serde_json::from_slice(meta).map_err(read_err)?;
+    Ok(Some(StoredSnapshot {
+        meta,
+        data: Arc::new(data.to_vec()),
+    }))
+}
+
+/// File layout: 4-byte big-endian meta length, meta JSON, snapshot data.
+fn split_snapshot_file(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
+    let len = u32::from_be_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
+    let meta = bytes.get(4..4 + len)?;
+    Some((meta, bytes.get(4 + len..)?))
+}
+
+/// Writes the snapshot file atomically (temp file, fsync, rename).
+fn save_snapshot(path: &PathBuf, s: &StoredSnapshot) -> Result<(), StorageError<NodeId>> {
+    use std::io::Write;
+    let meta = serde_json::to_vec(&s.meta).map_err(write_err)?;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(write_err)?;
+    f.write_all(&(meta.len() as u32).to_be_bytes())
+        .and_then(|_| f.write_all(&meta))
+        .and_then(|_| f.write_all(&s.data))
+        .and_then(|_| f.sync_data())
+        .map_err(write_err)?;
+    std::fs::rename(&tmp, path).map_err(write_err)
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachine {
+    type SnapshotBuilder = SnapshotBuilder;
+
+    async fn applied_state(
+        &mut self,
+    ) -> Result<(Option<LogId<NodeId>>, StoredMembership<NodeId, BasicNode>), StorageError<NodeId>>
+    {
+        let a = self.shared.read();
+        Ok((a.last_applied, a.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Applied>, StorageError<NodeId>>
+    where
+        I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut replies = Vec::new();
+        let mut changes = Changes::new();
+        {
+            let mut a = self.shared.write();
+            for entry in entries {
+                a.last_applied = Some(entry.log_id);
+                let reply = match entry.payload {
+                    EntryPayload::Blank => Applied::default(),
+                    EntryPayload::Normal(batch) => a.state.apply_batch(&batch, &mut changes),
+                    EntryPayload::Membership(m) => {
+                        a.membership = StoredMembership::new(Some(entry.log_id), m);
+                        Applied::default()
+                    }
+                };
+                replies.push(reply);
+            }
+            self.persist(&a, &changes)?;
+        }
+        self.shared.applied.notify_waiters();
+        Ok(replies)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        SnapshotBuilder {
+            shared: self.shared.clone(),
+            snapshot: self.snapshot.clone(),
+            path: self.snapshot_path.clone(),
+        }
+    }
+
+    async fn begin_receiving_snapshot(
+        &mut self,
+    ) -> Result<Box<Cursor<Vec<u8>>>, StorageError<NodeId>> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<NodeId, BasicNode>,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError<NodeId>> {
+        let bytes = snapshot.into_inner();
+        let data: SnapshotData = serde_json::from_slice(&bytes).map_err(read_err)?;
+        let stored = StoredSnapshot {
+            meta: meta.clone(),
+            data: Arc::new(bytes),
+        };
+        save_snapshot(&self.snapshot_path, &stored)?;
+        {
+            let mut a = self.shared.write();
+            let partition = a.state.partition();
+            // Replace every stored job and the meta in one atomic batch.
+            let mut batch = self.db.database().batch();
+            for g in self.jobs.iter() {
+                batch.remove(&self.jobs, g.key().map_err(read_err)?);
+            }
+            for job in &data.jobs {
+                batch.insert(
+                    &self.jobs,
+                    (job.key.0 as u64).to_be_bytes(),
+                    serde_json::to_vec(job).map_err(write_err)?,
+                );
+            }
+            a.state = State::from_parts(partition, data.counters, data.jobs);
+            a.last_applied = meta.last_log_id;
+            a.membership = meta.last_membership.clone();
+            self.put_meta(&mut batch, &a)?;
+            batch.commit().map_err(write_err)?;
+        }
+        *self.snapshot.lock().unwrap_or_else(|p| p.into_inner()) = Some(stored);
+        self.shared.applied.notify_waiters();
+        Ok(())
+    }
+
+    async fn get_current_snapshot(
+        &mut self,
+    ) -> Result<Option<Snapshot<TypeConfig>>, StorageError<NodeId>> {
+        let s = self
+            .snapshot
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        Ok(s.map(|s| Snapshot {
+            meta: s.meta,
+            snapshot: Box::new(Cursor::new(s.data.as_ref().clone())),
+        }))
+    }
+}
+
+/// Builds snapshots from the shared applied state.
+pub struct SnapshotBuilder {
+    shared: Arc<SharedState>,
+    snapshot: Arc<Mutex<Option<StoredSnapshot>>>,
+    path: PathBuf,
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
+        let (meta, data) = {
+            let a = self.shared.read();
+            let data = serde_json::to_vec(&SnapshotData {
+                counters: a.state.counters().clone(),
+                jobs: a.state.jobs().cloned().collect(),
+            })
+            .map_err(write_err)?;
+            let id = match a.last_applied {
+                Some(l) => format!("{}-{}-{}", l.leader_id, l.index, data.len()),
+                None => format!("none-{}", data.len()),
+            };
+            let meta = SnapshotMeta {
+                last_log_id: a.last_applied,
+                last_membership: a.membership.clone(),
+                snapshot_id: id,
+            };
+            (meta, data)
+        };
+        let stored = StoredSnapshot {
+            meta: meta.clone(),
+            data: Arc::new(data),
+        };
+        save_snapshot(&self.path, &stored)?;
+        let data = stored.data.as_ref().clone();
+        *self.snapshot.lock().unwrap_or_else(|p| p.into_inner()) = Some(stored);
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(data)),
+        })
+    }
+}
