@@ -11,7 +11,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
-        .compile_with_config(config, &files, &[root.clone()])?;
+        .compile_with_config(config, &files, std::slice::from_ref(&root))?;
     for f in &files {
         println!("cargo:rerun-if-changed={}", f.display());
     }

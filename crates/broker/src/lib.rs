@@ -2,7 +2,207 @@
 //! - [`engine`]: the pure job state machine: (state, command) -> (reply, effects, changes).
 //! - [`store`]: fjall storage: the Raft log, the engine state with last-applied, snapshots.
 //! - [`raft`]: openraft type config and the gRPC network client.
+//! - [`partition`]: a hosted partition: its proposer (group commit) and leader timers.
+//! - [`service`]: the gRPC services for peer brokers and gateways.
+//! - [`config`]: static cluster configuration and replica placement.
+//! - [`metrics`]: Prometheus metrics.
+//!
+//! [`run`] starts a broker on a listener and stops it when told to.
 
+pub mod config;
 pub mod engine;
+pub mod metrics;
+pub mod partition;
+// openraft's error types (StorageError, RPCError) are large; their signatures are openraft's.
+#[allow(clippy::result_large_err)]
 pub mod raft;
+pub mod service;
+#[allow(clippy::result_large_err)]
 pub mod store;
+
+pub use config::{BrokerConfig, RaftTuning};
+pub use store::Durability;
+
+use courier_proto::cluster::{broker_server::BrokerServer, raft_server::RaftServer};
+use courier_proto::domain::PartitionId;
+use futures::StreamExt;
+use openraft::error::{InitializeError, RaftError};
+use openraft::BasicNode;
+use partition::Partition;
+use raft::{Network, PeerChannels, Raft};
+use service::{BrokerService, RaftService};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use store::{log::LogStore, sm::StateMachine, Db};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Why a broker could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("storage: {0}")]
+    Storage(String),
+    #[error("raft: {0}")]
+    Raft(String),
+    #[error("gRPC server: {0}")]
+    Server(#[from] tonic::transport::Error),
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Largest message between brokers and gateways: a command may carry documents of
+/// up to 4 MiB and a Raft append carries many commands.
+pub const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
+
+/// Runs a broker on `listener` until `shutdown` is cancelled, then stops every task
+/// it started and returns.
+pub async fn run(
+    config: BrokerConfig,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    config.validate().map_err(Error::Config)?;
+    let config = Arc::new(config);
+    std::fs::create_dir_all(&config.data_dir)?;
+    let db = Db::open(&config.data_dir.join("db"), config.durability)
+        .map_err(|e| Error::Storage(e.to_string()))?;
+    let raft_config = Arc::new(
+        config
+            .raft_config()
+            .validate()
+            .map_err(|e| Error::Config(e.to_string()))?,
+    );
+    let peers = PeerChannels::default();
+    let addrs = Arc::new(config.brokers.clone());
+    let (notices, _) = tokio::sync::broadcast::channel(4096);
+    let tasks = TaskTracker::new();
+
+    let mut partitions = BTreeMap::new();
+    for p in 1..=config.partitions {
+        if !config.replicas(p).contains(&config.node_id) {
+            continue;
+        }
+        let id = PartitionId(p);
+        let log = LogStore::open(&db, p).map_err(|e| Error::Storage(e.to_string()))?;
+        let sm = StateMachine::open(&db, id, config.data_dir.join("snapshots"))
+            .map_err(|e| Error::Storage(e.to_string()))?;
+        let shared = sm.shared();
+        let network = Network {
+            partition: id,
+            peers: peers.clone(),
+            addrs: addrs.clone(),
+        };
+        let raft = Raft::new(config.node_id, raft_config.clone(), network, log, sm)
+            .await
+            .map_err(|e| Error::Raft(e.to_string()))?;
+        let part = Partition::start(
+            id,
+            config.node_id,
+            raft,
+            shared,
+            notices.clone(),
+            &tasks,
+            shutdown.clone(),
+        );
+        partitions.insert(p, part);
+    }
+    let partitions: service::Partitions = Arc::new(partitions);
+
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
+        s.inspect(|s| {
+            // Raft and command latency are the product: never wait for Nagle.
+            let _ = s.set_nodelay(true);
+        })
+    });
+    let server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(5)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(5)))
+        .add_service(
+            RaftServer::new(RaftService {
+                partitions: partitions.clone(),
+            })
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        )
+        .add_service(
+            BrokerServer::new(BrokerService {
+                config: config.clone(),
+                partitions: partitions.clone(),
+                notices,
+                shutdown: shutdown.clone(),
+            })
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        )
+        .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
+    let server = tokio::spawn(server);
+
+    for part in partitions.values() {
+        initialize(&config, part).await;
+        tasks.spawn(track_leadership(part.clone(), shutdown.clone()));
+    }
+    tracing::info!(
+        node = config.node_id,
+        partitions = ?partitions.keys().collect::<Vec<_>>(),
+        "broker started"
+    );
+
+    shutdown.cancelled().await;
+    tasks.close();
+    for part in partitions.values() {
+        if let Err(e) = part.raft.shutdown().await {
+            tracing::warn!(partition = part.id.0, error = %e, "raft shutdown failed");
+        }
+    }
+    tasks.wait().await;
+    match server.await {
+        Ok(r) => r?,
+        Err(e) => tracing::warn!(error = %e, "server task ended abnormally"),
+    }
+    if let Err(e) = db.sync() {
+        tracing::warn!(error = %e, "final flush failed");
+    }
+    tracing::info!(node = config.node_id, "broker stopped");
+    Ok(())
+}
+
+/// Initializes a partition's membership once: every replica may try, and all but the
+/// first are refused harmlessly, so a cluster starts whichever broker comes up first.
+async fn initialize(config: &BrokerConfig, part: &Partition) {
+    match part.raft.is_initialized().await {
+        Ok(true) => return,
+        Ok(false) => {}
+        Err(e) => {
+            tracing::warn!(partition = part.id.0, error = %e, "cannot read raft state");
+            return;
+        }
+    }
+    let members: BTreeMap<u64, BasicNode> = config
+        .replicas(part.id.0)
+        .into_iter()
+        .filter_map(|id| config.brokers.get(&id).map(|a| (id, BasicNode::new(a))))
+        .collect();
+    match part.raft.initialize(members).await {
+        Ok(()) => {}
+        Err(RaftError::APIError(InitializeError::NotAllowed(_))) => {}
+        Err(e) => tracing::warn!(partition = part.id.0, error = %e, "initialize failed"),
+    }
+}
+
+/// Keeps the leadership gauge of a partition current.
+async fn track_leadership(part: Arc<Partition>, shutdown: CancellationToken) {
+    let mut m = part.raft.metrics();
+    let gauge =
+        metrics::LEADER.with_label_values(&[&part.node_id.to_string(), &part.id.to_string()]);
+    loop {
+        gauge.set(i64::from(part.is_leader()));
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = m.changed() => if r.is_err() { return },
+        }
+    }
+}

@@ -75,6 +75,9 @@ impl PeerChannels {
 pub struct Network {
     pub partition: PartitionId,
     pub peers: PeerChannels,
+    /// Addresses from the static configuration; they win over the address stored in
+    /// the Raft membership, so a broker that moved (a restarted `courier dev`) is found.
+    pub addrs: Arc<std::collections::BTreeMap<NodeId, String>>,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {

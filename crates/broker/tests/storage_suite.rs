@@ -1,4 +1,5 @@
 //! openraft's storage conformance suite, run against the fjall log store and state
+#![allow(clippy::result_large_err)] // the suite returns openraft's StorageError
 //! machine, in both durability modes.
 
 use courier_broker::raft::TypeConfig;

@@ -1,1 +1,46 @@
+//! Rust client for Courier, a Zeebe-compatible job-push broker.
+//!
+//! A [`Client`] is one gRPC channel to a gateway. It creates jobs through Courier's
+//! producer API (`courier.v1.Jobs`) and drives them through Zeebe's job API
+//! (`gateway_protocol.Gateway`), both served on the gateway's port. Every call retries
+//! `UNAVAILABLE` and `RESOURCE_EXHAUSTED` with full-jitter back-off, within the client's
+//! retry budget.
+//!
+//! ```no_run
+//! use courier_client::{ActivateJobs, Client, NewJob};
+//! use serde_json::json;
+//!
+//! # async fn example() -> Result<(), courier_client::ClientError> {
+//! let client = Client::connect("127.0.0.1:26500")?;
+//! let created = client
+//!     .create_job(NewJob::new("payment").variables(json!({ "amount": 42 })))
+//!     .await?;
+//! println!("created job {} on partition {}", created.key, created.partition_id);
+//!
+//! let jobs = client.activate_jobs(ActivateJobs::new("payment").worker("billing")).await?;
+//! for job in jobs {
+//!     client.complete_job(job.key, json!({ "paid": true })).await?;
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Layout
+//! - [`client`]: [`Client`], the calls and their retries.
+//! - [`request`]: builders for what a call sends ([`NewJob`], [`ActivateJobs`]) and
+//!   [`IntoJsonText`] for variables and headers.
+//! - `retry`: the back-off schedule and the retry budget.
+//! - [`error`]: the one error type, [`ClientError`].
+//! - `worker` (to come): the streaming `JobWorker`, built on [`Client`].
 
+pub mod client;
+pub mod error;
+pub mod request;
+mod retry;
+
+pub use client::Client;
+pub use courier_proto::courier_v1::{CreateJobResponse, Job, JobState};
+pub use courier_proto::gateway_protocol::{ActivatedJob, TopologyResponse};
+pub use error::ClientError;
+pub use request::{ActivateJobs, IntoJsonText, NewJob};
+pub use retry::DEFAULT_RETRY_BUDGET;

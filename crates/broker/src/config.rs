@@ -1,0 +1,142 @@
+//! A broker's static configuration and the placement of partition replicas.
+
+use crate::store::Durability;
+use courier_proto::domain::NodeId;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// Everything a broker needs to know at start.
+#[derive(Clone, Debug)]
+pub struct BrokerConfig {
+    pub node_id: NodeId,
+    /// Every broker of the cluster (this one included) and the address it is reached at.
+    pub brokers: BTreeMap<NodeId, String>,
+    pub partitions: u32,
+    pub replication_factor: u32,
+    pub data_dir: PathBuf,
+    pub durability: Durability,
+    pub raft: RaftTuning,
+}
+
+/// Raft timing and log compaction.
+#[derive(Clone, Debug)]
+pub struct RaftTuning {
+    /// Also the AppendEntries timeout in openraft 0.9: size it above the disk's fsync time.
+    pub heartbeat_ms: u64,
+    pub election_timeout_min_ms: u64,
+    pub election_timeout_max_ms: u64,
+    /// A snapshot is built after this many entries since the last one.
+    pub snapshot_every: u64,
+    /// Entries kept behind a snapshot for followers that lag a little.
+    pub keep_after_snapshot: u64,
+}
+
+impl Default for RaftTuning {
+    fn default() -> Self {
+        RaftTuning {
+            heartbeat_ms: 100,
+            election_timeout_min_ms: 500,
+            election_timeout_max_ms: 1000,
+            snapshot_every: 20_000,
+            keep_after_snapshot: 1000,
+        }
+    }
+}
+
+impl BrokerConfig {
+    /// Checks the configuration; the message says what is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.brokers.contains_key(&self.node_id) {
+            return Err(format!(
+                "node id {} is not among the brokers {:?}",
+                self.node_id,
+                self.brokers.keys().collect::<Vec<_>>()
+            ));
+        }
+        if self.partitions < 1 {
+            return Err("the cluster needs at least 1 partition".into());
+        }
+        let n = self.brokers.len() as u32;
+        if self.replication_factor < 1 || self.replication_factor > n {
+            return Err(format!(
+                "replication factor {} must be between 1 and the number of brokers ({n})",
+                self.replication_factor
+            ));
+        }
+        Ok(())
+    }
+
+    /// The brokers holding `partition`, round-robin over brokers ordered by id.
+    pub fn replicas(&self, partition: u32) -> Vec<NodeId> {
+        let ids: Vec<NodeId> = self.brokers.keys().copied().collect();
+        if ids.is_empty() {
+            return Vec::new();
+        }
+        let start = (partition.saturating_sub(1) as usize) % ids.len();
+        (0..self.replication_factor as usize)
+            .map(|i| ids[(start + i) % ids.len()])
+            .collect()
+    }
+
+    /// openraft's configuration for every partition of this broker.
+    pub fn raft_config(&self) -> openraft::Config {
+        openraft::Config {
+            cluster_name: "courier".into(),
+            heartbeat_interval: self.raft.heartbeat_ms,
+            election_timeout_min: self.raft.election_timeout_min_ms,
+            election_timeout_max: self.raft.election_timeout_max_ms,
+            install_snapshot_timeout: 5_000,
+            max_payload_entries: 64,
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(self.raft.snapshot_every),
+            max_in_snapshot_log_to_keep: self.raft.keep_after_snapshot,
+            ..Default::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(n: u64, rf: u32) -> BrokerConfig {
+        BrokerConfig {
+            node_id: 1,
+            brokers: (1..=n)
+                .map(|i| (i, format!("127.0.0.1:{}", 26600 + i)))
+                .collect(),
+            partitions: 3,
+            replication_factor: rf,
+            data_dir: PathBuf::from("x"),
+            durability: Durability::Fsync,
+            raft: RaftTuning::default(),
+        }
+    }
+
+    #[test]
+    fn replicas_are_placed_round_robin() {
+        let c = config(3, 3);
+        assert_eq!(c.replicas(1), vec![1, 2, 3]);
+        assert_eq!(c.replicas(2), vec![2, 3, 1]);
+        assert_eq!(c.replicas(3), vec![3, 1, 2]);
+        let c = config(3, 1);
+        assert_eq!(c.replicas(1), vec![1]);
+        assert_eq!(c.replicas(2), vec![2]);
+        assert_eq!(c.replicas(4), vec![1]);
+    }
+
+    #[test]
+    fn bad_configurations_are_refused_with_a_reason() {
+        assert!(config(3, 3).validate().is_ok());
+        assert!(config(3, 4)
+            .validate()
+            .unwrap_err()
+            .contains("replication factor"));
+        let mut c = config(3, 1);
+        c.node_id = 9;
+        assert!(c.validate().unwrap_err().contains("node id 9"));
+        c.node_id = 1;
+        c.partitions = 0;
+        assert!(c.validate().unwrap_err().contains("partition"));
+        assert!(config(3, 3).raft_config().validate().is_ok());
+    }
+}

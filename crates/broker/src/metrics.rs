@@ -1,0 +1,131 @@
+//! The broker's Prometheus metrics, in the default registry. Statics, so several
+//! brokers in one process (`courier dev`) share them.
+
+use prometheus::core::Collector;
+use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts};
+use std::sync::LazyLock;
+
+/// Registers `m`; a second registration (impossible with these statics) only logs.
+fn register<T: Collector + Clone + 'static>(m: T) -> T {
+    if let Err(e) = prometheus::default_registry().register(Box::new(m.clone())) {
+        tracing::warn!(error = %e, "metric not registered");
+    }
+    m
+}
+
+/// Construction fails only for an invalid constant name, which the tests rule out.
+fn built<T>(r: prometheus::Result<T>) -> T {
+    match r {
+        Ok(m) => m,
+        Err(e) => unreachable!("invalid metric definition: {e}"),
+    }
+}
+
+fn latency_buckets() -> Vec<f64> {
+    built(prometheus::exponential_buckets(0.0001, 2.0, 16))
+}
+
+/// Commands per proposed log entry.
+pub static BATCH_SIZE: LazyLock<Histogram> = LazyLock::new(|| {
+    register(built(Histogram::with_opts(
+        HistogramOpts::new(
+            "courier_broker_batch_commands",
+            "Commands per proposed log entry",
+        )
+        .buckets(built(prometheus::exponential_buckets(1.0, 2.0, 12))),
+    )))
+});
+
+/// Time from proposing an entry to having it committed and applied.
+pub static COMMIT_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    register(built(Histogram::with_opts(
+        HistogramOpts::new(
+            "courier_broker_commit_seconds",
+            "Time from proposing a log entry until it is committed and applied",
+        )
+        .buckets(latency_buckets()),
+    )))
+});
+
+/// Commands refused before or during replication, by reason.
+pub static REJECTED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    register(built(IntCounterVec::new(
+        Opts::new(
+            "courier_broker_commands_rejected_total",
+            "Commands refused before or during replication, by reason",
+        ),
+        &["reason"],
+    )))
+});
+
+/// Requests served by the broker API, by kind and outcome.
+pub static REQUESTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    register(built(IntCounterVec::new(
+        Opts::new(
+            "courier_broker_requests_total",
+            "Requests served by the broker API, by kind and outcome",
+        ),
+        &["kind", "outcome"],
+    )))
+});
+
+/// Time to serve a broker API request, by kind.
+pub static REQUEST_SECONDS: LazyLock<HistogramVec> = LazyLock::new(|| {
+    register(built(HistogramVec::new(
+        HistogramOpts::new(
+            "courier_broker_request_seconds",
+            "Time to serve a broker API request, by kind",
+        )
+        .buckets(latency_buckets()),
+        &["kind"],
+    )))
+});
+
+/// 1 where this broker leads the partition, 0 where it does not.
+pub static LEADER: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    register(built(IntGaugeVec::new(
+        Opts::new(
+            "courier_broker_partition_leader",
+            "1 where this broker leads the partition",
+        ),
+        &["node", "partition"],
+    )))
+});
+
+/// Gateway links open on this broker.
+pub static LINKS: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    register(built(IntGaugeVec::new(
+        Opts::new(
+            "courier_broker_gateway_links",
+            "Gateway links open on this broker",
+        ),
+        &["node"],
+    )))
+});
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_metric_is_well_defined_and_registered() {
+        super::BATCH_SIZE.observe(1.0);
+        super::COMMIT_SECONDS.observe(0.001);
+        super::REJECTED.with_label_values(&["x"]).inc();
+        super::REQUESTS.with_label_values(&["x", "ok"]).inc();
+        super::REQUEST_SECONDS
+            .with_label_values(&["x"])
+            .observe(0.1);
+        super::LEADER.with_label_values(&["1", "1"]).set(1);
+        super::LINKS.with_label_values(&["1"]).set(0);
+        let names: Vec<String> = prometheus::gather()
+            .iter()
+            .map(|f| f.name().to_string())
+            .collect();
+        for n in [
+            "courier_broker_batch_commands",
+            "courier_broker_commit_seconds",
+            "courier_broker_partition_leader",
+        ] {
+            assert!(names.iter().any(|x| x == n), "{n} missing from {names:?}");
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! The broker's gRPC services: `courier.cluster.Raft` (peer brokers) and
+//! `courier.cluster.Broker` (gateways). A malformed message is logged and refused,
+//! never fatal.
+
+use crate::config::BrokerConfig;
+use crate::engine::LogCommand;
+use crate::metrics;
+use crate::partition::{Notices, Partition};
+use crate::raft::{SnapshotChunkHeader, TypeConfig};
+use courier_proto::cluster::{
+    self, gateway_message, BrokerAddress, BrokerMessage, BrokerTopology, BrokerTopologyRequest,
+    ExecuteReply, ExecuteRequest, GatewayMessage, PartitionStatus, RaftReply, RaftRequest,
+    SnapshotChunk,
+};
+use courier_proto::codec;
+use courier_proto::domain::{BrokerError, PartitionId, Reply, Request};
+use futures::Stream;
+use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
+use openraft::ServerState;
+use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use tokio::sync::broadcast::error::RecvError;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request as GrpcRequest, Response, Status, Streaming};
+use tracing::Instrument;
+
+/// The partitions this broker hosts, by id.
+pub type Partitions = Arc<BTreeMap<u32, Arc<Partition>>>;
+
+fn malformed(what: &str, e: codec::CodecError) -> Status {
+    tracing::warn!(error = %e, "malformed {what} dropped");
+    Status::invalid_argument(format!("malformed {what}: {e}"))
+}
+
+fn encode<T: serde::Serialize>(v: &T) -> Result<bytes::Bytes, Status> {
+    codec::encode(v).map_err(|e| Status::internal(e.to_string()))
+}
+
+/// Raft traffic from peer brokers.
+pub struct RaftService {
+    pub partitions: Partitions,
+}
+
+impl RaftService {
+    fn partition(&self, id: u32) -> Result<&Arc<Partition>, Status> {
+        self.partitions.get(&id).ok_or_else(|| {
+            Status::not_found(format!("partition {id} is not hosted on this broker"))
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl cluster::raft_server::Raft for RaftService {
+    async fn append_entries(
+        &self,
+        req: GrpcRequest<RaftRequest>,
+    ) -> Result<Response<RaftReply>, Status> {
+        let r = req.into_inner();
+        let p = self.partition(r.partition_id)?;
+        let rpc: AppendEntriesRequest<TypeConfig> =
+            codec::decode(&r.payload).map_err(|e| malformed("append-entries request", e))?;
+        let res = p.raft.append_entries(rpc).await;
+        Ok(Response::new(RaftReply {
+            payload: encode(&res)?,
+        }))
+    }
+
+    async fn vote(&self, req: GrpcRequest<RaftRequest>) -> Result<Response<RaftReply>, Status> {
+        let r = req.into_inner();
+        let p = self.partition(r.partition_id)?;
+        let rpc: VoteRequest<u64> =
+            codec::decode(&r.payload).map_err(|e| malformed("vote request", e))?;
+        let res = p.raft.vote(rpc).await;
+        Ok(Response::new(RaftReply {
+            payload: encode(&res)?,
+        }))
+    }
+
+    async fn install_snapshot(
+        &self,
+        req: GrpcRequest<SnapshotChunk>,
+    ) -> Result<Response<RaftReply>, Status> {
+        let r = req.into_inner();
+        let p = self.partition(r.partition_id)?;
+        let h: SnapshotChunkHeader =
+            codec::decode(&r.header).map_err(|e| malformed("snapshot chunk", e))?;
+        let rpc = InstallSnapshotRequest::<TypeConfig> {
+            vote: h.vote,
+            meta: h.meta,
+            offset: h.offset,
+            data: r.data.to_vec(),
+            done: h.done,
+        };
+        let res = p.raft.install_snapshot(rpc).await;
+        Ok(Response::new(RaftReply {
+            payload: encode(&res)?,
+        }))
+    }
+}
+
+/// Commands, topology and links from gateways.
+pub struct BrokerService {
+    pub config: Arc<BrokerConfig>,
+    pub partitions: Partitions,
+    pub notices: Notices,
+    pub shutdown: CancellationToken,
+}
+
+impl BrokerService {
+    async fn run(&self, partition: u32, request: Request) -> Result<Reply, BrokerError> {
+        let Some(p) = self.partitions.get(&partition) else {
+            return Err(BrokerError::NotLeader {
+                partition: PartitionId(partition),
+                leader: None,
+            });
+        };
+        match request {
+            Request::Command(c) => p.propose(LogCommand::Client(c)).await,
+            Request::GetJob { key } => p.get_job(key),
+        }
+    }
+}
+
+fn request_kind(r: &Request) -> &'static str {
+    use courier_proto::domain::Command as C;
+    match r {
+        Request::GetJob { .. } => "get_job",
+        Request::Command(c) => match c {
+            C::Create(_) => "create",
+            C::Activate { .. } => "activate",
+            C::Complete { .. } => "complete",
+            C::Fail { .. } => "fail",
+            C::ThrowError { .. } => "throw_error",
+            C::UpdateRetries { .. } => "update_retries",
+            C::UpdateTimeout { .. } => "update_timeout",
+            C::Cancel { .. } => "cancel",
+        },
+    }
+}
+
+fn outcome(r: &Result<Reply, BrokerError>) -> &'static str {
+    match r {
+        Ok(_) => "ok",
+        Err(BrokerError::InvalidArgument(_)) => "invalid_argument",
+        Err(BrokerError::NotFound(_)) => "not_found",
+        Err(BrokerError::FailedPrecondition(_)) => "failed_precondition",
+        Err(BrokerError::ResourceExhausted(_)) => "resource_exhausted",
+        Err(BrokerError::Unavailable(_)) => "unavailable",
+        Err(BrokerError::NotLeader { .. }) => "not_leader",
+        Err(BrokerError::Internal(_)) => "internal",
+    }
+}
+
+type LinkStream = Pin<Box<dyn Stream<Item = Result<BrokerMessage, Status>> + Send>>;
+
+/// Keeps the open-links gauge right however a link ends.
+struct LinkGauge(prometheus::IntGauge);
+impl Drop for LinkGauge {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+#[tonic::async_trait]
+impl cluster::broker_server::Broker for BrokerService {
+    async fn execute(
+        &self,
+        req: GrpcRequest<ExecuteRequest>,
+    ) -> Result<Response<ExecuteReply>, Status> {
+        let r = req.into_inner();
+        let request: Request =
+            codec::decode(&r.request).map_err(|e| malformed("execute request", e))?;
+        let kind = request_kind(&request);
+        let span = tracing::debug_span!("execute", partition = r.partition_id, kind);
+        let started = std::time::Instant::now();
+        let result = self.run(r.partition_id, request).instrument(span).await;
+        metrics::REQUESTS
+            .with_label_values(&[kind, outcome(&result)])
+            .inc();
+        metrics::REQUEST_SECONDS
+            .with_label_values(&[kind])
+            .observe(started.elapsed().as_secs_f64());
+        Ok(Response::new(ExecuteReply {
+            reply: encode(&result)?,
+        }))
+    }
+
+    async fn topology(
+        &self,
+        _req: GrpcRequest<BrokerTopologyRequest>,
+    ) -> Result<Response<BrokerTopology>, Status> {
+        let partitions = self
+            .partitions
+            .values()
+            .map(|p| {
+                let m = p.raft.metrics();
+                let m = m.borrow();
+                PartitionStatus {
+                    partition_id: p.id.0,
+                    role: match m.state {
+                        ServerState::Leader => "leader",
+                        ServerState::Follower => "follower",
+                        ServerState::Candidate => "candidate",
+                        ServerState::Learner => "learner",
+                        ServerState::Shutdown => "shutdown",
+                    }
+                    .to_string(),
+                    leader_id: m.current_leader.unwrap_or(0),
+                    term: m.current_term,
+                    last_applied: m.last_applied.map(|l| l.index).unwrap_or(0),
+                }
+            })
+            .collect();
+        Ok(Response::new(BrokerTopology {
+            node_id: self.config.node_id,
+            brokers: self
+                .config
+                .brokers
+                .iter()
+                .map(|(id, addr)| BrokerAddress {
+                    node_id: *id,
+                    addr: addr.clone(),
+                })
+                .collect(),
+            partitions_count: self.config.partitions,
+            replication_factor: self.config.replication_factor,
+            partitions,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+        }))
+    }
+
+    type LinkStream = LinkStream;
+
+    async fn link(
+        &self,
+        req: GrpcRequest<Streaming<GatewayMessage>>,
+    ) -> Result<Response<LinkStream>, Status> {
+        let mut inbound = req.into_inner();
+        let mut notices = self.notices.subscribe();
+        let shutdown = self.shutdown.clone();
+        let gauge = metrics::LINKS.with_label_values(&[&self.config.node_id.to_string()]);
+        let out = async_stream::stream! {
+            gauge.inc();
+            let _gauge = LinkGauge(gauge);
+            let mut gateway = String::new();
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    m = inbound.message() => match m {
+                        Ok(Some(GatewayMessage { kind: Some(gateway_message::Kind::Hello(h)) })) => {
+                            tracing::info!(gateway = %h.gateway_id, "gateway linked");
+                            gateway = h.gateway_id;
+                        }
+                        Ok(Some(other)) => tracing::warn!(?other, "unexpected link message dropped"),
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::info!(%gateway, error = %e, "gateway link broke");
+                            break;
+                        }
+                    },
+                    n = notices.recv() => match n {
+                        Ok(msg) => yield Ok(msg),
+                        Err(RecvError::Lagged(k)) => {
+                            tracing::warn!(%gateway, skipped = k, "link fell behind; notices skipped");
+                        }
+                        Err(RecvError::Closed) => break,
+                    },
+                }
+            }
+            tracing::info!(%gateway, "gateway link closed");
+        };
+        Ok(Response::new(Box::pin(out)))
+    }
+}

@@ -1,0 +1,375 @@
+//! [`Client`]: one channel to a gateway, the producer and worker calls, their retries.
+
+use crate::error::ClientError;
+use crate::request::{millis, IntoJsonText};
+use crate::retry::{with_retries, Backoff, DEFAULT_RETRY_BUDGET};
+use courier_proto::courier_v1::{self as v1, jobs_client::JobsClient};
+use courier_proto::gateway_protocol::{self as gw, gateway_client::GatewayClient};
+use std::future::Future;
+use std::time::Duration;
+use tonic::transport::{Channel, Endpoint};
+use tonic::Status;
+
+/// A handle to one gateway. Cloning is cheap: clones share the channel, so make one
+/// per gateway and hand clones to tasks.
+///
+/// Every call retries `UNAVAILABLE` and `RESOURCE_EXHAUSTED` (no leader right now, back
+/// pressure) until the retry budget is spent. A command the gateway carried out but
+/// whose answer was lost is retried too: a retried create may create a second job, a
+/// retried complete may answer `NOT_FOUND`.
+#[derive(Clone, Debug)]
+pub struct Client {
+    jobs: JobsClient<Channel>,
+    gateway: GatewayClient<Channel>,
+    backoff: Backoff,
+    /// How long one call keeps retrying, counted from its first attempt.
+    retry_budget: Duration,
+}
+
+impl Client {
+    /// A client for the gateway at `addr` (`host:port` or `http://host:port`).
+    /// Connects lazily, on the first call, so a gateway that is not up yet is not an
+    /// error here. Must be called inside a Tokio runtime.
+    pub fn connect(addr: &str) -> Result<Client, ClientError> {
+        let endpoint = endpoint(addr)?;
+        // The channel spawns its worker task at once; without a runtime that panics.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(connect_error(addr, "not inside a Tokio runtime"));
+        }
+        Ok(Client::from_channel(endpoint.connect_lazy()))
+    }
+
+    /// A client over a channel built elsewhere (other settings, TLS).
+    pub fn from_channel(channel: Channel) -> Client {
+        Client {
+            jobs: JobsClient::new(channel.clone()),
+            gateway: GatewayClient::new(channel),
+            backoff: Backoff::default(),
+            retry_budget: DEFAULT_RETRY_BUDGET,
+        }
+    }
+
+    /// How long each call keeps retrying transient failures (default 30 s); zero
+    /// turns retries off.
+    pub fn with_retry_budget(mut self, budget: Duration) -> Client {
+        self.retry_budget = budget;
+        self
+    }
+
+    /// Creates one job; the answer names its key and partition.
+    pub async fn create_job(
+        &self,
+        job: impl Into<v1::CreateJobRequest>,
+    ) -> Result<v1::CreateJobResponse, ClientError> {
+        self.call(&self.jobs, job.into(), |mut c, r| async move {
+            c.create_job(r).await
+        })
+        .await
+    }
+
+    /// Creates jobs in one request (one partition, one log entry); returns their keys
+    /// in order.
+    pub async fn create_jobs(
+        &self,
+        jobs: impl IntoIterator<Item = impl Into<v1::CreateJobRequest>>,
+    ) -> Result<Vec<i64>, ClientError> {
+        let request = v1::CreateJobsRequest {
+            jobs: jobs.into_iter().map(Into::into).collect(),
+        };
+        if request.jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let response = self
+            .call(&self.jobs, request, |mut c, r| async move {
+                c.create_jobs(r).await
+            })
+            .await?;
+        Ok(response.keys)
+    }
+
+    /// The job's current record.
+    pub async fn get_job(&self, key: i64) -> Result<v1::Job, ClientError> {
+        let request = v1::GetJobRequest { key };
+        let response = self
+            .call(
+                &self.jobs,
+                request,
+                |mut c, r| async move { c.get_job(r).await },
+            )
+            .await?;
+        response
+            .job
+            .ok_or_else(|| Status::internal("GetJob answered without a job").into())
+    }
+
+    /// Cancels the job: it is gone, whatever state it was in.
+    pub async fn cancel_job(&self, key: i64) -> Result<(), ClientError> {
+        let request = v1::CancelJobRequest { key };
+        self.call(&self.jobs, request, |mut c, r| async move {
+            c.cancel_job(r).await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Activates jobs (long polling, as the request says) and returns all the gateway
+    /// streamed back. Failures before the first job are retried; once jobs have
+    /// arrived they are activated and must not be dropped, so a later stream error is
+    /// logged and the jobs received so far are returned.
+    pub async fn activate_jobs(
+        &self,
+        request: impl Into<gw::ActivateJobsRequest>,
+    ) -> Result<Vec<gw::ActivatedJob>, ClientError> {
+        let request = request.into();
+        let jobs = with_retries(self.backoff, self.retry_budget, || {
+            let mut gateway = self.gateway.clone();
+            let request = request.clone();
+            async move {
+                let mut stream = gateway.activate_jobs(request).await?.into_inner();
+                let mut jobs = Vec::new();
+                loop {
+                    match stream.message().await {
+                        Ok(Some(batch)) => jobs.extend(batch.jobs),
+                        Ok(None) => return Ok(jobs),
+                        Err(status) if jobs.is_empty() => return Err(status),
+                        Err(status) => {
+                            tracing::warn!(
+                                code = ?status.code(),
+                                message = status.message(),
+                                received = jobs.len(),
+                                "activate stream broke after jobs arrived; keeping them"
+                            );
+                            return Ok(jobs);
+                        }
+                    }
+                }
+            }
+        })
+        .await?;
+        Ok(jobs)
+    }
+
+    /// Completes an activated job. `variables` is a JSON object, or `""` for none.
+    pub async fn complete_job(
+        &self,
+        key: i64,
+        variables: impl IntoJsonText,
+    ) -> Result<(), ClientError> {
+        let request = gw::CompleteJobRequest {
+            job_key: key,
+            variables: variables.into_json_text(),
+        };
+        self.call(&self.gateway, request, |mut c, r| async move {
+            c.complete_job(r).await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Fails an activated job, leaving it `retries` more tries; with retries left it
+    /// runs again after `backoff`, without it becomes an incident.
+    pub async fn fail_job(
+        &self,
+        key: i64,
+        retries: i32,
+        message: impl Into<String>,
+        backoff: Duration,
+    ) -> Result<(), ClientError> {
+        let request = gw::FailJobRequest {
+            job_key: key,
+            retries,
+            error_message: message.into(),
+            retry_back_off: millis(backoff),
+            variables: String::new(),
+        };
+        self.call(&self.gateway, request, |mut c, r| async move {
+            c.fail_job(r).await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Ends an activated job with a business error.
+    pub async fn throw_error(
+        &self,
+        key: i64,
+        code: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Result<(), ClientError> {
+        let request = gw::ThrowErrorRequest {
+            job_key: key,
+            error_code: code.into(),
+            error_message: message.into(),
+            variables: String::new(),
+        };
+        self.call(&self.gateway, request, |mut c, r| async move {
+            c.throw_error(r).await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Sets the job's retries; a job that had none becomes runnable again.
+    pub async fn update_job_retries(&self, key: i64, retries: i32) -> Result<(), ClientError> {
+        let request = gw::UpdateJobRetriesRequest {
+            job_key: key,
+            retries,
+            operation_reference: None,
+        };
+        self.call(&self.gateway, request, |mut c, r| async move {
+            c.update_job_retries(r).await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Moves an activated job's deadline to `timeout` from now.
+    pub async fn update_job_timeout(&self, key: i64, timeout: Duration) -> Result<(), ClientError> {
+        let request = gw::UpdateJobTimeoutRequest {
+            job_key: key,
+            timeout: millis(timeout),
+            operation_reference: None,
+        };
+        self.call(&self.gateway, request, |mut c, r| async move {
+            c.update_job_timeout(r).await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// The cluster as the gateway sees it: brokers, partitions, leaders, health.
+    pub async fn topology(&self) -> Result<gw::TopologyResponse, ClientError> {
+        self.call(
+            &self.gateway,
+            gw::TopologyRequest {},
+            |mut c, r| async move { c.topology(r).await },
+        )
+        .await
+    }
+
+    /// One unary call with retries: each attempt gets its own clone of the stub (the
+    /// generated methods take `&mut self`) and of the request.
+    async fn call<S, Req, Resp, F, Fut>(
+        &self,
+        stub: &S,
+        request: Req,
+        rpc: F,
+    ) -> Result<Resp, ClientError>
+    where
+        S: Clone,
+        Req: Clone,
+        F: Fn(S, Req) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
+    {
+        let response = with_retries(self.backoff, self.retry_budget, || {
+            rpc(stub.clone(), request.clone())
+        })
+        .await?;
+        Ok(response.into_inner())
+    }
+}
+
+/// The endpoint for `addr`, with the connection settings every client uses.
+fn endpoint(addr: &str) -> Result<Endpoint, ClientError> {
+    let trimmed = addr.trim();
+    let uri = match trimmed.split_once("://") {
+        None => format!("http://{trimmed}"),
+        Some(("http", _)) => trimmed.to_string(),
+        Some((scheme, _)) => {
+            return Err(connect_error(
+                addr,
+                format!("unsupported scheme {scheme}:// (use host:port or http://host:port)"),
+            ))
+        }
+    };
+    let endpoint = Endpoint::from_shared(uri).map_err(|e| connect_error(addr, e))?;
+    // Without an explicit port the URI would mean port 80, never a gateway.
+    if endpoint.uri().host().is_none_or(str::is_empty) || endpoint.uri().port().is_none() {
+        return Err(connect_error(addr, "expected host:port"));
+    }
+    Ok(endpoint
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(5))
+        // Pings find a dead connection (a gateway that vanished without a FIN) before
+        // a long poll or stream waits on it forever. 30 s is the least interval Zeebe
+        // gateways accept.
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .keep_alive_while_idle(true))
+}
+
+fn connect_error(addr: &str, reason: impl ToString) -> ClientError {
+    ClientError::Connect {
+        addr: addr.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn uri(addr: &str) -> Result<String, String> {
+        endpoint(addr)
+            .map(|e| e.uri().to_string())
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn addresses_take_host_port_with_or_without_http() {
+        assert_eq!(
+            uri("127.0.0.1:26500").as_deref(),
+            Ok("http://127.0.0.1:26500/")
+        );
+        assert_eq!(uri(" localhost:1 ").as_deref(), Ok("http://localhost:1/"));
+        assert_eq!(uri("http://gw:26500").as_deref(), Ok("http://gw:26500/"));
+        assert_eq!(uri("[::1]:26500").as_deref(), Ok("http://[::1]:26500/"));
+    }
+
+    #[test]
+    fn unusable_addresses_are_connect_errors() {
+        for bad in [
+            "",
+            "localhost",
+            "http://gw",
+            "https://gw:443",
+            "unix:///tmp/s",
+            "a b:1",
+            ":26500",
+        ] {
+            let err = uri(bad).err();
+            assert!(err.is_some(), "{bad:?} was accepted");
+        }
+        let err = uri("https://gw:443").err().unwrap_or_default();
+        assert!(err.contains("unsupported scheme https://"), "{err}");
+    }
+
+    #[test]
+    fn connecting_outside_a_runtime_is_an_error_not_a_panic() {
+        let err = Client::connect("127.0.0.1:26500").err();
+        assert!(matches!(err, Some(ClientError::Connect { .. })));
+    }
+
+    /// Callers spawn these futures, so they must stay `Send`; this fails to compile
+    /// otherwise.
+    #[allow(dead_code)]
+    fn call_futures_are_send(c: &Client) {
+        fn send<T: Send>(_: T) {}
+        send(c.create_job(crate::NewJob::new("t")));
+        send(c.create_jobs([crate::NewJob::new("t")]));
+        send(c.activate_jobs(crate::ActivateJobs::new("t")));
+        send(c.complete_job(1, "{}"));
+        send(c.topology());
+    }
+
+    #[tokio::test]
+    async fn connecting_is_lazy() {
+        // Nothing listens on port 1; the client is still made.
+        let client = Client::connect("127.0.0.1:1").map(|c| c.with_retry_budget(Duration::ZERO));
+        assert!(client.is_ok());
+        if let Ok(c) = client {
+            let code = c.topology().await.err().and_then(|e| e.code());
+            assert_eq!(code, Some(tonic::Code::Unavailable));
+        }
+    }
+}

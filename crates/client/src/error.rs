@@ -1,0 +1,101 @@
+//! The one error type of the client.
+
+use tonic::Code;
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The address is not usable (malformed, unsupported scheme, no Tokio runtime).
+    /// Unreachable gateways show up as `Status(UNAVAILABLE)` instead: connecting is lazy.
+    #[error("cannot connect to {addr:?}: {reason}")]
+    Connect {
+        /// The address as given.
+        addr: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The gateway (or the transport below it) answered with this status.
+    // Not a `#[source]`: the status's own Display and debug-laden source chain would
+    // repeat in every `{:#}` report; `status_text` picks what is worth reading.
+    #[error("{}", status_text(.0))]
+    Status(tonic::Status),
+}
+
+impl From<tonic::Status> for ClientError {
+    fn from(status: tonic::Status) -> Self {
+        ClientError::Status(status)
+    }
+}
+
+impl ClientError {
+    /// The gRPC code of a `Status` error; `None` for `Connect`.
+    pub fn code(&self) -> Option<Code> {
+        match self {
+            ClientError::Connect { .. } => None,
+            ClientError::Status(s) => Some(s.code()),
+        }
+    }
+}
+
+/// `CODE: message`, plus the innermost cause when the transport failed (for example
+/// `Connection refused`), which is the part that says what went wrong.
+fn status_text(status: &tonic::Status) -> String {
+    let mut text = format!("{}: {}", code_name(status.code()), status.message());
+    let mut cause = std::error::Error::source(status);
+    let mut innermost = None;
+    while let Some(c) = cause {
+        innermost = Some(c);
+        cause = c.source();
+    }
+    if let Some(c) = innermost.map(ToString::to_string) {
+        if c != status.message() {
+            text.push_str(": ");
+            text.push_str(&c);
+        }
+    }
+    text
+}
+
+/// The code's name as gRPC spells it (`NOT_FOUND`), which is what users search for;
+/// `Code`'s own `Display` gives a prose description instead.
+pub fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_errors_read_like_grpc() {
+        let e = ClientError::from(tonic::Status::not_found("job 2251799813685249 not found"));
+        assert_eq!(e.to_string(), "NOT_FOUND: job 2251799813685249 not found");
+        assert_eq!(e.code(), Some(Code::NotFound));
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let e = ClientError::from(tonic::Status::from_error(Box::new(io)));
+        assert_eq!(e.to_string(), "UNKNOWN: refused");
+        let e = ClientError::Connect {
+            addr: "x".into(),
+            reason: "bad".into(),
+        };
+        assert_eq!(e.code(), None);
+    }
+}

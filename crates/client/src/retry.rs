@@ -1,0 +1,178 @@
+//! Retrying transient failures: full-jitter exponential back-off within a time budget.
+//!
+//! Full jitter (a delay drawn uniformly from zero to the ceiling) rather than a fixed
+//! schedule, so that many clients refused at the same moment (a leader change, a
+//! restart) do not come back at the same moment too.
+
+use rand::Rng;
+use std::future::Future;
+use std::time::Duration;
+use tokio::time::Instant;
+use tonic::{Code, Status};
+
+/// How long a call keeps retrying by default before it returns the last error.
+pub const DEFAULT_RETRY_BUDGET: Duration = Duration::from_secs(30);
+
+/// Exponential back-off ceilings with full jitter.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Backoff {
+    /// Ceiling of the first delay.
+    pub base: Duration,
+    /// No delay is ever longer than this.
+    pub cap: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff {
+            base: Duration::from_millis(25),
+            cap: Duration::from_secs(2),
+        }
+    }
+}
+
+impl Backoff {
+    /// The longest delay before retry number `attempt` (0-based): `base * 2^attempt`,
+    /// capped.
+    pub fn ceiling(&self, attempt: u32) -> Duration {
+        self.base
+            .saturating_mul(2u32.saturating_pow(attempt))
+            .min(self.cap)
+    }
+
+    /// A delay drawn uniformly from `[0, ceiling(attempt)]`.
+    pub fn delay(&self, attempt: u32, rng: &mut impl Rng) -> Duration {
+        let ceiling = u64::try_from(self.ceiling(attempt).as_nanos()).unwrap_or(u64::MAX);
+        Duration::from_nanos(rng.random_range(0..=ceiling))
+    }
+}
+
+/// The codes that mean "not now" (no leader, back pressure) rather than "no".
+pub fn is_retryable(code: Code) -> bool {
+    matches!(code, Code::Unavailable | Code::ResourceExhausted)
+}
+
+/// Runs `call` until it succeeds, fails with a code that is not retryable, or
+/// `budget` has passed since the first attempt; then returns the last outcome. The
+/// last sleep is shortened to end at the budget, so one attempt is made right at it.
+pub(crate) async fn with_retries<T, F, Fut>(
+    backoff: Backoff,
+    budget: Duration,
+    mut call: F,
+) -> Result<T, Status>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Status>>,
+{
+    let start = Instant::now();
+    let mut attempt = 0u32;
+    loop {
+        let status = match call().await {
+            Ok(v) => return Ok(v),
+            Err(s) if is_retryable(s.code()) => s,
+            Err(s) => return Err(s),
+        };
+        let left = budget.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            return Err(status);
+        }
+        let delay = backoff.delay(attempt, &mut rand::rng()).min(left);
+        tracing::debug!(code = ?status.code(), message = status.message(), ?delay, attempt, "retrying");
+        tokio::time::sleep(delay).await;
+        attempt = attempt.saturating_add(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::SeedableRng;
+    use std::cell::Cell;
+
+    #[test]
+    fn ceilings_double_from_25ms_and_stop_at_2s() {
+        let b = Backoff::default();
+        let ms: Vec<u128> = (0..10).map(|a| b.ceiling(a).as_millis()).collect();
+        assert_eq!(ms, [25, 50, 100, 200, 400, 800, 1600, 2000, 2000, 2000]);
+        // Far past the point where 2^attempt overflows: still the cap, no panic.
+        assert_eq!(b.ceiling(200), Duration::from_secs(2));
+        assert_eq!(b.ceiling(u32::MAX), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn delays_spread_over_the_whole_range() {
+        let b = Backoff::default();
+        let mut rng = StdRng::seed_from_u64(7);
+        for attempt in [0, 3, 20] {
+            let ceiling = b.ceiling(attempt);
+            let delays: Vec<Duration> = (0..2000).map(|_| b.delay(attempt, &mut rng)).collect();
+            assert!(delays.iter().all(|d| *d <= ceiling));
+            // Full jitter: both ends of [0, ceiling] are visited, not just its middle.
+            assert!(delays.iter().any(|d| *d < ceiling / 10));
+            assert!(delays.iter().any(|d| *d > ceiling * 9 / 10));
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retries_transient_codes_until_success() {
+        let calls = Cell::new(0);
+        let r = with_retries(Backoff::default(), DEFAULT_RETRY_BUDGET, || {
+            calls.set(calls.get() + 1);
+            let n = calls.get();
+            async move {
+                match n {
+                    1 => Err(Status::unavailable("no leader")),
+                    2 => Err(Status::resource_exhausted("busy")),
+                    _ => Ok(n),
+                }
+            }
+        })
+        .await;
+        assert_eq!(r.ok(), Some(3));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn other_codes_return_at_once() {
+        let calls = Cell::new(0);
+        let r: Result<(), Status> = with_retries(Backoff::default(), DEFAULT_RETRY_BUDGET, || {
+            calls.set(calls.get() + 1);
+            async { Err(Status::not_found("gone")) }
+        })
+        .await;
+        assert_eq!(r.map_err(|s| s.code()), Err(Code::NotFound));
+        assert_eq!(calls.get(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn gives_up_with_the_last_error_when_the_budget_is_spent() {
+        let start = Instant::now();
+        let calls = Cell::new(0);
+        let budget = Duration::from_secs(5);
+        let r: Result<(), Status> = with_retries(Backoff::default(), budget, || {
+            calls.set(calls.get() + 1);
+            let n = calls.get();
+            async move { Err(Status::unavailable(format!("attempt {n}"))) }
+        })
+        .await;
+        let err = r.err().map(|s| s.message().to_string());
+        assert_eq!(err, Some(format!("attempt {}", calls.get())));
+        assert!(calls.get() > 2);
+        // The last attempt happens at the budget, not a back-off step past it (the
+        // timer wheel rounds each sleep up to a millisecond).
+        let elapsed = start.elapsed();
+        assert!(elapsed >= budget && elapsed < budget + Duration::from_millis(50));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_zero_budget_means_one_attempt() {
+        let calls = Cell::new(0);
+        let r: Result<(), Status> = with_retries(Backoff::default(), Duration::ZERO, || {
+            calls.set(calls.get() + 1);
+            async { Err(Status::unavailable("down")) }
+        })
+        .await;
+        assert!(r.is_err());
+        assert_eq!(calls.get(), 1);
+    }
+}
