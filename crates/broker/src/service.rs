@@ -262,7 +262,10 @@ impl cluster::broker_server::Broker for BrokerService {
                     n = notices.recv() => match n {
                         Ok(msg) => yield Ok(msg),
                         Err(RecvError::Lagged(k)) => {
-                            tracing::warn!(%gateway, skipped = k, "link fell behind; notices skipped");
+                            // Closing makes the gateway reconnect and wake every parked
+                            // poll, instead of leaving some asleep until their timeout.
+                            tracing::warn!(%gateway, skipped = k, "link fell behind; closing it");
+                            break;
                         }
                         Err(RecvError::Closed) => break,
                     },

@@ -1,14 +1,924 @@
-//! `courier job ...` and `courier status`.
+//! `courier job ...` and `courier status`: thin commands over [`courier_client::Client`].
+//! Errors come back as `CODE: message` (the client's error text), which `main` prints.
 
-#[derive(clap::Args)]
-pub struct ClientOpts {}
+use anyhow::Context;
+use courier_client::{ActivateJobs, ActivatedJob, Client, Job, JobState, NewJob, TopologyResponse};
+use courier_proto::gateway_protocol::partition::{PartitionBrokerHealth, PartitionBrokerRole};
+use futures::StreamExt;
+use serde_json::{json, Value};
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
 
-#[derive(clap::Subcommand)]
-pub enum JobCmd {}
+/// Jobs per CreateJobs request when creating many.
+const CREATE_BATCH: u32 = 500;
+/// CreateJobs requests in flight at once when creating many.
+const CREATE_IN_FLIGHT: usize = 4;
 
-pub async fn job(_o: ClientOpts, _c: JobCmd) -> anyhow::Result<()> {
-    anyhow::bail!("not wired yet")
+/// Which gateway to talk to and how to print the answers.
+#[derive(clap::Args, Debug)]
+pub struct ClientOpts {
+    /// Gateway address: host:port or http://host:port.
+    #[arg(
+        long,
+        env = "COURIER_ADDRESS",
+        default_value = "127.0.0.1:26500",
+        global = true
+    )]
+    pub address: String,
+    /// Print machine-readable JSON (job keys as numbers) instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// How long to keep retrying while the cluster answers UNAVAILABLE or
+    /// RESOURCE_EXHAUSTED (no leader yet, back pressure, gateway not up); 0: no retries.
+    #[arg(long, default_value = "30s", value_parser = parse_duration, global = true)]
+    pub retry_budget: Duration,
 }
-pub async fn status(_o: ClientOpts) -> anyhow::Result<()> {
-    anyhow::bail!("not wired yet")
+
+impl ClientOpts {
+    fn client(&self) -> anyhow::Result<Client> {
+        Ok(Client::connect(&self.address)?.with_retry_budget(self.retry_budget))
+    }
+}
+
+/// The job commands. Durations read as 500ms, 10s, 5m, 1h or a number of ms.
+#[derive(clap::Subcommand, Debug, PartialEq)]
+pub enum JobCmd {
+    /// Create a job (or --count jobs) and print its key.
+    Create {
+        /// The job type.
+        #[arg(value_name = "TYPE")]
+        job_type: String,
+        /// Variables: a JSON object.
+        #[arg(long, value_parser = parse_json_object)]
+        variables: Option<Value>,
+        /// Custom headers: a JSON object of strings.
+        #[arg(long, value_parser = parse_json_object)]
+        headers: Option<Value>,
+        /// Retries before the job becomes an incident (the gateway's default: 3).
+        #[arg(long)]
+        retries: Option<i32>,
+        /// The tenant the job belongs to.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Create this many identical jobs, in batches, and report the rate.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+        count: u32,
+    },
+    /// Activate jobs of a type and print them.
+    Activate {
+        /// The job type.
+        #[arg(value_name = "TYPE")]
+        job_type: String,
+        /// At most this many jobs.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(i32).range(1..))]
+        max: i32,
+        /// How long the activation lasts.
+        #[arg(long, default_value = "5m", value_parser = parse_duration)]
+        timeout: Duration,
+        /// The worker name recorded on the jobs.
+        #[arg(long, default_value = "courier-cli")]
+        worker: String,
+        /// How long to wait for jobs when none is there; 0 answers at once.
+        #[arg(long, default_value = "0", value_parser = parse_duration)]
+        request_timeout: Duration,
+        /// Take jobs of this tenant (repeatable; default: <default>).
+        #[arg(long = "tenant")]
+        tenants: Vec<String>,
+    },
+    /// Complete an activated job.
+    Complete {
+        /// The job key.
+        key: i64,
+        /// Variables to set: a JSON object.
+        #[arg(long, value_parser = parse_json_object)]
+        variables: Option<Value>,
+    },
+    /// Fail an activated job.
+    Fail {
+        /// The job key.
+        key: i64,
+        /// Retries left after this failure; 0 makes the job an incident.
+        #[arg(long, default_value_t = 0)]
+        retries: i32,
+        /// Why it failed.
+        #[arg(long, default_value = "")]
+        message: String,
+        /// Wait this long before the job may run again.
+        #[arg(long, default_value = "0", value_parser = parse_duration)]
+        backoff: Duration,
+    },
+    /// End an activated job with a business error.
+    ThrowError {
+        /// The job key.
+        key: i64,
+        /// The error code.
+        #[arg(long)]
+        code: String,
+        /// The error message.
+        #[arg(long, default_value = "")]
+        message: String,
+    },
+    /// Set a job's retries.
+    UpdateRetries {
+        /// The job key.
+        key: i64,
+        /// The new retries (at least 1).
+        #[arg(long)]
+        retries: i32,
+    },
+    /// Move an activated job's deadline to a timeout from now.
+    UpdateTimeout {
+        /// The job key.
+        key: i64,
+        /// The new timeout, counted from now.
+        #[arg(long, value_parser = parse_duration)]
+        timeout: Duration,
+    },
+    /// Cancel a job.
+    Cancel {
+        /// The job key.
+        key: i64,
+    },
+    /// Show a job's state, retries, worker, deadline, last error and variables.
+    Get {
+        /// The job key.
+        key: i64,
+    },
+}
+
+/// Runs one job command against the gateway.
+pub async fn job(opts: ClientOpts, cmd: JobCmd) -> anyhow::Result<()> {
+    let client = opts.client()?;
+    let json = opts.json;
+    match cmd {
+        JobCmd::Create {
+            job_type,
+            variables,
+            headers,
+            retries,
+            tenant,
+            count,
+        } => {
+            let mut new_job = NewJob::new(job_type);
+            if let Some(v) = variables {
+                new_job = new_job.variables(v);
+            }
+            if let Some(h) = headers {
+                new_job = new_job.custom_headers(h);
+            }
+            if let Some(r) = retries {
+                new_job = new_job.retries(r);
+            }
+            if let Some(t) = tenant {
+                new_job = new_job.tenant_id(t);
+            }
+            if count == 1 {
+                let created = client.create_job(new_job).await?;
+                if json {
+                    println!(
+                        "{}",
+                        json!({"key": created.key, "partitionId": created.partition_id})
+                    );
+                } else {
+                    println!("{}", created.key);
+                }
+            } else {
+                create_many(&client, new_job, count, json).await?;
+            }
+        }
+        JobCmd::Activate {
+            job_type,
+            max,
+            timeout,
+            worker,
+            request_timeout,
+            tenants,
+        } => {
+            let request = ActivateJobs::new(job_type)
+                .worker(worker)
+                .max_jobs(max)
+                .timeout(timeout)
+                .request_timeout(request_timeout)
+                .tenant_ids(tenants);
+            let jobs = client.activate_jobs(request).await?;
+            if json {
+                println!(
+                    "{}",
+                    Value::Array(jobs.iter().map(activated_json).collect())
+                );
+            } else if jobs.is_empty() {
+                println!("no jobs activated");
+            } else {
+                for j in &jobs {
+                    println!(
+                        "{}  type={}  retries={}  deadline={}  variables={}",
+                        j.key,
+                        j.r#type,
+                        j.retries,
+                        fmt_epoch_ms(j.deadline),
+                        or_empty_object(&j.variables)
+                    );
+                }
+            }
+        }
+        JobCmd::Complete { key, variables } => {
+            let variables = variables.map(|v| v.to_string()).unwrap_or_default();
+            client.complete_job(key, variables).await?;
+            done(json, json!({"key": key, "result": "completed"}), || {
+                format!("completed job {key}")
+            });
+        }
+        JobCmd::Fail {
+            key,
+            retries,
+            message,
+            backoff,
+        } => {
+            client.fail_job(key, retries, message, backoff).await?;
+            done(
+                json,
+                json!({"key": key, "result": "failed", "retries": retries}),
+                || format!("failed job {key} ({retries} retries left)"),
+            );
+        }
+        JobCmd::ThrowError { key, code, message } => {
+            client.throw_error(key, code.as_str(), message).await?;
+            done(
+                json,
+                json!({"key": key, "result": "errorThrown", "errorCode": code}),
+                || format!("threw error {code} on job {key}"),
+            );
+        }
+        JobCmd::UpdateRetries { key, retries } => {
+            client.update_job_retries(key, retries).await?;
+            done(
+                json,
+                json!({"key": key, "result": "retriesUpdated", "retries": retries}),
+                || format!("set retries of job {key} to {retries}"),
+            );
+        }
+        JobCmd::UpdateTimeout { key, timeout } => {
+            client.update_job_timeout(key, timeout).await?;
+            let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+            done(
+                json,
+                json!({"key": key, "result": "timeoutUpdated", "timeoutMs": timeout_ms}),
+                || format!("job {key} now times out {timeout:?} from now"),
+            );
+        }
+        JobCmd::Cancel { key } => {
+            client.cancel_job(key).await?;
+            done(json, json!({"key": key, "result": "canceled"}), || {
+                format!("canceled job {key}")
+            });
+        }
+        JobCmd::Get { key } => {
+            let job = client.get_job(key).await?;
+            if json {
+                println!("{}", job_json(&job));
+            } else {
+                print!("{}", render_job(&job));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Prints the cluster's topology.
+pub async fn status(opts: ClientOpts) -> anyhow::Result<()> {
+    let client = opts.client()?;
+    let topology = client.topology().await?;
+    if opts.json {
+        println!("{}", topology_json(&topology));
+    } else {
+        print!("{}", render_topology(&topology));
+    }
+    Ok(())
+}
+
+/// Creates `count` copies of `job` in batches, a few batches in flight, and prints
+/// the rate.
+async fn create_many(client: &Client, job: NewJob, count: u32, json: bool) -> anyhow::Result<()> {
+    let start = Instant::now();
+    let batches = (0..count)
+        .step_by(CREATE_BATCH as usize)
+        .map(|first| (count - first).min(CREATE_BATCH) as usize);
+    let mut results = futures::stream::iter(batches)
+        .map(|n| {
+            let client = client.clone();
+            let job = job.clone();
+            async move { client.create_jobs(std::iter::repeat_n(job, n)).await }
+        })
+        .buffer_unordered(CREATE_IN_FLIGHT);
+    let mut created = 0usize;
+    while let Some(result) = results.next().await {
+        // Earlier batches are committed; say how far it got.
+        created += result
+            .with_context(|| format!("after creating {created} of {count} jobs"))?
+            .len();
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let rate = created as f64 / seconds.max(1e-9);
+    if json {
+        println!(
+            "{}",
+            json!({"created": created, "seconds": seconds, "rate": rate})
+        );
+    } else {
+        println!("created {created} jobs in {seconds:.3} s ({rate:.0} jobs/s)");
+    }
+    Ok(())
+}
+
+/// Prints the outcome of a command that answers nothing but success.
+fn done(json: bool, value: Value, text: impl FnOnce() -> String) {
+    if json {
+        println!("{value}");
+    } else {
+        println!("{}", text());
+    }
+}
+
+/// A duration: `500ms`, `10s`, `5m`, `1h`, or a bare number of milliseconds.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let invalid =
+        || format!("invalid duration {s:?}: expected e.g. 500ms, 10s, 5m, 1h or a number of ms");
+    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (number, unit) = s.split_at(digits);
+    let n: u64 = number.parse().map_err(|_| invalid())?;
+    let ms_per_unit = match unit {
+        "" | "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        _ => return Err(invalid()),
+    };
+    n.checked_mul(ms_per_unit)
+        .map(Duration::from_millis)
+        .ok_or_else(invalid)
+}
+
+/// A JSON object given on the command line; checked here so a typo fails before any
+/// request is sent.
+fn parse_json_object(s: &str) -> Result<Value, String> {
+    match serde_json::from_str::<Value>(s) {
+        Ok(v @ Value::Object(_)) => Ok(v),
+        Ok(_) => Err("expected a JSON object".to_string()),
+        Err(e) => Err(format!("invalid JSON: {e}")),
+    }
+}
+
+/// Embeds a JSON text field as JSON rather than as an escaped string; text that does
+/// not parse stays a string.
+fn embed(text: &str) -> Value {
+    if text.is_empty() {
+        return json!({});
+    }
+    serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.to_string()))
+}
+
+fn or_empty_object(text: &str) -> &str {
+    if text.is_empty() {
+        "{}"
+    } else {
+        text
+    }
+}
+
+fn activated_json(j: &ActivatedJob) -> Value {
+    json!({
+        "key": j.key,
+        "type": j.r#type,
+        "worker": j.worker,
+        "retries": j.retries,
+        "deadline": j.deadline,
+        "tenantId": j.tenant_id,
+        "variables": embed(&j.variables),
+        "customHeaders": embed(&j.custom_headers),
+    })
+}
+
+fn state_name(state: i32) -> String {
+    JobState::try_from(state)
+        .map(|s| s.as_str_name().to_string())
+        .unwrap_or_else(|_| format!("UNKNOWN({state})"))
+}
+
+fn job_json(j: &Job) -> Value {
+    json!({
+        "key": j.key,
+        "type": j.r#type,
+        "state": state_name(j.state),
+        "retries": j.retries,
+        "worker": j.worker,
+        "deadline": j.deadline,
+        "retryAt": j.retry_at,
+        "errorCode": j.error_code,
+        "errorMessage": j.error_message,
+        "tenantId": j.tenant_id,
+        "createdAt": j.created_at,
+        "variables": embed(&j.variables),
+        "customHeaders": embed(&j.custom_headers),
+    })
+}
+
+fn render_job(j: &Job) -> String {
+    let dash = |s: &str| {
+        if s.is_empty() {
+            "-".to_string()
+        } else {
+            s.to_string()
+        }
+    };
+    let last_error = match (j.error_code.as_str(), j.error_message.as_str()) {
+        ("", "") => "-".to_string(),
+        ("", message) => message.to_string(),
+        (code, "") => code.to_string(),
+        (code, message) => format!("{code}: {message}"),
+    };
+    let mut out = String::new();
+    let mut row = |name: &str, value: String| {
+        let _ = writeln!(out, "{name:<11}{value}");
+    };
+    row("key", j.key.to_string());
+    row("type", j.r#type.clone());
+    row("state", state_name(j.state));
+    row("retries", j.retries.to_string());
+    row("worker", dash(&j.worker));
+    row("deadline", fmt_epoch_ms(j.deadline));
+    if j.retry_at != 0 {
+        row("retry at", fmt_epoch_ms(j.retry_at));
+    }
+    row("last error", last_error);
+    row("tenant", dash(&j.tenant_id));
+    row("created", fmt_epoch_ms(j.created_at));
+    row("variables", or_empty_object(&j.variables).to_string());
+    out
+}
+
+fn role_name(role: i32) -> String {
+    PartitionBrokerRole::try_from(role)
+        .map(|r| r.as_str_name().to_string())
+        .unwrap_or_else(|_| format!("UNKNOWN({role})"))
+}
+
+fn health_name(health: i32) -> String {
+    PartitionBrokerHealth::try_from(health)
+        .map(|h| h.as_str_name().to_string())
+        .unwrap_or_else(|_| format!("UNKNOWN({health})"))
+}
+
+fn topology_json(t: &TopologyResponse) -> Value {
+    let brokers: Vec<Value> = t
+        .brokers
+        .iter()
+        .map(|b| {
+            let partitions: Vec<Value> = b
+                .partitions
+                .iter()
+                .map(|p| {
+                    json!({
+                        "partitionId": p.partition_id,
+                        "role": role_name(p.role),
+                        "health": health_name(p.health),
+                    })
+                })
+                .collect();
+            json!({
+                "nodeId": b.node_id,
+                "host": b.host,
+                "port": b.port,
+                "version": b.version,
+                "partitions": partitions,
+            })
+        })
+        .collect();
+    json!({
+        "clusterSize": t.cluster_size,
+        "partitionsCount": t.partitions_count,
+        "replicationFactor": t.replication_factor,
+        "gatewayVersion": t.gateway_version,
+        "brokers": brokers,
+    })
+}
+
+/// The topology as a text report: cluster facts, one row per broker, one line per
+/// partition naming its leader.
+fn render_topology(t: &TopologyResponse) -> String {
+    let mut brokers: Vec<_> = t.brokers.iter().collect();
+    brokers.sort_by_key(|b| b.node_id);
+    let address =
+        |b: &courier_proto::gateway_protocol::BrokerInfo| format!("{}:{}", b.host, b.port);
+    let width = brokers
+        .iter()
+        .map(|b| address(b).len())
+        .max()
+        .unwrap_or(0)
+        .max("ADDRESS".len());
+
+    let mut out = String::new();
+    let _ = writeln!(out, "cluster size        {}", t.cluster_size);
+    let _ = writeln!(out, "partitions          {}", t.partitions_count);
+    let _ = writeln!(out, "replication factor  {}", t.replication_factor);
+    let _ = writeln!(out, "gateway version     {}", t.gateway_version);
+    let _ = writeln!(out);
+    let _ = writeln!(out, "BROKER  {:<width$}  VERSION  PARTITIONS", "ADDRESS");
+    for b in &brokers {
+        let mut partitions: Vec<_> = b.partitions.iter().collect();
+        partitions.sort_by_key(|p| p.partition_id);
+        let partitions: Vec<String> = partitions
+            .iter()
+            .map(|p| {
+                format!(
+                    "{} {} {}",
+                    p.partition_id,
+                    role_name(p.role).to_lowercase(),
+                    health_name(p.health).to_lowercase()
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "{:<6}  {:<width$}  {:<7}  {}",
+            b.node_id,
+            address(b),
+            b.version,
+            partitions.join(", ")
+        );
+    }
+    let _ = writeln!(out);
+
+    // Every partition the cluster should have, plus any a broker reports beyond that.
+    let mut ids: BTreeSet<i32> = (1..=t.partitions_count).collect();
+    ids.extend(
+        brokers
+            .iter()
+            .flat_map(|b| b.partitions.iter().map(|p| p.partition_id)),
+    );
+    let _ = writeln!(out, "PARTITION  LEADER");
+    for id in ids {
+        let leaders: Vec<String> = brokers
+            .iter()
+            .filter(|b| {
+                b.partitions
+                    .iter()
+                    .any(|p| p.partition_id == id && p.role == PartitionBrokerRole::Leader as i32)
+            })
+            .map(|b| format!("broker {} ({})", b.node_id, address(b)))
+            .collect();
+        let leader = if leaders.is_empty() {
+            "no leader".to_string()
+        } else {
+            leaders.join(", ")
+        };
+        let _ = writeln!(out, "{id:<9}  {leader}");
+    }
+    out
+}
+
+/// Epoch milliseconds as UTC ISO 8601 (`2023-11-14T22:13:20.123Z`); `-` for 0, which
+/// the wire uses for "not set".
+fn fmt_epoch_ms(ms: i64) -> String {
+    if ms == 0 {
+        return "-".to_string();
+    }
+    let days = ms.div_euclid(86_400_000);
+    let in_day = ms.rem_euclid(86_400_000);
+    // Howard Hinnant's civil_from_days: days since 1970-01-01 -> year, month, day.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        in_day / 3_600_000,
+        in_day / 60_000 % 60,
+        in_day / 1000 % 60,
+        in_day % 1000
+    )
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use courier_proto::gateway_protocol::{BrokerInfo, Partition};
+
+    #[derive(Parser, Debug)]
+    struct TestCli {
+        #[command(flatten)]
+        opts: ClientOpts,
+        #[command(subcommand)]
+        cmd: JobCmd,
+    }
+
+    fn parse(args: &[&str]) -> Result<TestCli, clap::Error> {
+        TestCli::try_parse_from(std::iter::once("courier-job").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn durations_take_units_or_bare_milliseconds() {
+        let ms = |s| parse_duration(s).map(|d| d.as_millis());
+        assert_eq!(ms("500ms"), Ok(500));
+        assert_eq!(ms("10s"), Ok(10_000));
+        assert_eq!(ms("5m"), Ok(300_000));
+        assert_eq!(ms("1h"), Ok(3_600_000));
+        assert_eq!(ms("250"), Ok(250));
+        assert_eq!(ms("0"), Ok(0));
+        for bad in [
+            "",
+            "s",
+            "1.5s",
+            "-1",
+            "10 s",
+            "3d",
+            "1sm",
+            "99999999999999999999h",
+        ] {
+            assert!(parse_duration(bad).is_err(), "{bad:?} was accepted");
+        }
+    }
+
+    #[test]
+    fn create_defaults_and_options() {
+        let cli = parse(&["create", "payment"]).unwrap();
+        assert!(!cli.opts.json);
+        assert_eq!(
+            cli.cmd,
+            JobCmd::Create {
+                job_type: "payment".into(),
+                variables: None,
+                headers: None,
+                retries: None,
+                tenant: None,
+                count: 1,
+            }
+        );
+        let cli = parse(&[
+            "create",
+            "payment",
+            "--variables",
+            r#"{"amount":42}"#,
+            "--headers",
+            r#"{"k":"v"}"#,
+            "--retries",
+            "5",
+            "--tenant",
+            "acme",
+            "--count",
+            "1000",
+            "--json",
+            "--address",
+            "gw:1",
+            "--retry-budget",
+            "2s",
+        ])
+        .unwrap();
+        assert!(cli.opts.json);
+        assert_eq!(cli.opts.address, "gw:1");
+        assert_eq!(cli.opts.retry_budget, Duration::from_secs(2));
+        assert_eq!(
+            cli.cmd,
+            JobCmd::Create {
+                job_type: "payment".into(),
+                variables: Some(json!({"amount": 42})),
+                headers: Some(json!({"k": "v"})),
+                retries: Some(5),
+                tenant: Some("acme".into()),
+                count: 1000,
+            }
+        );
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_before_any_request() {
+        for args in [
+            &["create"][..],
+            &["create", "t", "--count", "0"],
+            &["create", "t", "--variables", "[1]"],
+            &["create", "t", "--variables", "{"],
+            &["activate", "t", "--max", "0"],
+            &["activate", "t", "--timeout", "soon"],
+            &["complete", "abc"],
+            &["throw-error", "1"],
+            &["update-retries", "1"],
+            &["update-timeout", "1"],
+        ] {
+            assert!(parse(args).is_err(), "{args:?} was accepted");
+        }
+    }
+
+    #[test]
+    fn activate_defaults_and_options() {
+        let cli = parse(&["activate", "payment"]).unwrap();
+        assert_eq!(
+            cli.cmd,
+            JobCmd::Activate {
+                job_type: "payment".into(),
+                max: 1,
+                timeout: Duration::from_secs(300),
+                worker: "courier-cli".into(),
+                request_timeout: Duration::ZERO,
+                tenants: vec![],
+            }
+        );
+        let cli = parse(&[
+            "activate",
+            "payment",
+            "--max",
+            "32",
+            "--timeout",
+            "10s",
+            "--worker",
+            "w",
+            "--request-timeout",
+            "500ms",
+            "--tenant",
+            "a",
+            "--tenant",
+            "b",
+        ])
+        .unwrap();
+        assert_eq!(
+            cli.cmd,
+            JobCmd::Activate {
+                job_type: "payment".into(),
+                max: 32,
+                timeout: Duration::from_secs(10),
+                worker: "w".into(),
+                request_timeout: Duration::from_millis(500),
+                tenants: vec!["a".into(), "b".into()],
+            }
+        );
+    }
+
+    #[test]
+    fn key_commands() {
+        let key = "2251799813685249";
+        let cases = [
+            (
+                vec!["complete", key, "--variables", r#"{"ok":true}"#],
+                JobCmd::Complete {
+                    key: 2251799813685249,
+                    variables: Some(json!({"ok": true})),
+                },
+            ),
+            (
+                vec!["fail", key],
+                JobCmd::Fail {
+                    key: 2251799813685249,
+                    retries: 0,
+                    message: String::new(),
+                    backoff: Duration::ZERO,
+                },
+            ),
+            (
+                vec![
+                    "fail",
+                    key,
+                    "--retries",
+                    "2",
+                    "--message",
+                    "boom",
+                    "--backoff",
+                    "1m",
+                ],
+                JobCmd::Fail {
+                    key: 2251799813685249,
+                    retries: 2,
+                    message: "boom".into(),
+                    backoff: Duration::from_secs(60),
+                },
+            ),
+            (
+                vec!["throw-error", key, "--code", "NO_FUNDS"],
+                JobCmd::ThrowError {
+                    key: 2251799813685249,
+                    code: "NO_FUNDS".into(),
+                    message: String::new(),
+                },
+            ),
+            (
+                vec!["update-retries", key, "--retries", "3"],
+                JobCmd::UpdateRetries {
+                    key: 2251799813685249,
+                    retries: 3,
+                },
+            ),
+            (
+                vec!["update-timeout", key, "--timeout", "1h"],
+                JobCmd::UpdateTimeout {
+                    key: 2251799813685249,
+                    timeout: Duration::from_secs(3600),
+                },
+            ),
+            (
+                vec!["cancel", key],
+                JobCmd::Cancel {
+                    key: 2251799813685249,
+                },
+            ),
+            (
+                vec!["get", key],
+                JobCmd::Get {
+                    key: 2251799813685249,
+                },
+            ),
+        ];
+        for (args, expected) in cases {
+            assert_eq!(parse(&args).unwrap().cmd, expected, "{args:?}");
+        }
+    }
+
+    #[test]
+    fn epoch_ms_format_as_utc() {
+        assert_eq!(fmt_epoch_ms(0), "-");
+        assert_eq!(fmt_epoch_ms(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(fmt_epoch_ms(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
+        assert_eq!(fmt_epoch_ms(-1), "1969-12-31T23:59:59.999Z");
+    }
+
+    fn partition(id: i32, role: PartitionBrokerRole) -> Partition {
+        Partition {
+            partition_id: id,
+            role: role as i32,
+            health: PartitionBrokerHealth::Healthy as i32,
+        }
+    }
+
+    #[test]
+    fn topology_report_names_each_partitions_leader() {
+        use PartitionBrokerRole::{Follower, Leader};
+        let t = TopologyResponse {
+            brokers: vec![
+                BrokerInfo {
+                    node_id: 1,
+                    host: "10.0.0.2".into(),
+                    port: 26501,
+                    partitions: vec![partition(2, Follower), partition(1, Follower)],
+                    version: "0.1.0".into(),
+                },
+                BrokerInfo {
+                    node_id: 0,
+                    host: "10.0.0.1".into(),
+                    port: 26501,
+                    partitions: vec![partition(1, Leader), partition(2, Follower)],
+                    version: "0.1.0".into(),
+                },
+            ],
+            cluster_size: 2,
+            partitions_count: 3,
+            replication_factor: 2,
+            gateway_version: "0.1.0".into(),
+        };
+        let text = render_topology(&t);
+        let expected = "\
+cluster size        2
+partitions          3
+replication factor  2
+gateway version     0.1.0
+
+BROKER  ADDRESS         VERSION  PARTITIONS
+0       10.0.0.1:26501  0.1.0    1 leader healthy, 2 follower healthy
+1       10.0.0.2:26501  0.1.0    1 follower healthy, 2 follower healthy
+
+PARTITION  LEADER
+1          broker 0 (10.0.0.1:26501)
+2          no leader
+3          no leader
+";
+        assert_eq!(text, expected);
+
+        let v = topology_json(&t);
+        assert_eq!(v["partitionsCount"], 3);
+        assert_eq!(v["brokers"][1]["partitions"][0]["role"], "LEADER");
+        assert_eq!(v["brokers"][1]["partitions"][0]["health"], "HEALTHY");
+    }
+
+    #[test]
+    fn job_json_embeds_documents_and_keeps_keys_numeric() {
+        let j = Job {
+            key: 2251799813685249,
+            r#type: "payment".into(),
+            state: JobState::Activated as i32,
+            variables: r#"{"a":1}"#.into(),
+            ..Default::default()
+        };
+        let v = job_json(&j);
+        assert_eq!(v["key"], json!(2251799813685249i64));
+        assert_eq!(v["state"], "ACTIVATED");
+        assert_eq!(v["variables"], json!({"a": 1}));
+        assert_eq!(v["customHeaders"], json!({}));
+        let text = render_job(&j);
+        assert!(text.contains("state      ACTIVATED\n"), "{text}");
+        assert!(text.contains("last error -\n"), "{text}");
+    }
 }

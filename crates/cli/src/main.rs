@@ -7,7 +7,11 @@ mod servers;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "courier", version, about = "Courier: a clustered job-push broker")]
+#[command(
+    name = "courier",
+    version,
+    about = "Courier: a clustered job-push broker"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

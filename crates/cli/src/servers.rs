@@ -1,20 +1,309 @@
-//! `courier dev`, `courier broker`, `courier gateway`.
+//! `courier dev`, `courier broker`, `courier gateway`: compose the library crates
+//! into processes, serve `/metrics`, and stop cleanly on Ctrl-C or SIGTERM.
 
-use anyhow::bail;
+use anyhow::{bail, Context};
+use courier_broker::{BrokerConfig, Durability, RaftTuning};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 
 #[derive(clap::Args)]
-pub struct DevArgs {}
-#[derive(clap::Args)]
-pub struct BrokerArgs {}
-#[derive(clap::Args)]
-pub struct GatewayArgs {}
-
-pub async fn dev(_a: DevArgs) -> anyhow::Result<()> {
-    bail!("not wired yet")
+pub struct DevArgs {
+    /// Brokers to run in this process.
+    #[arg(long, default_value_t = 1)]
+    brokers: u64,
+    /// Partitions of the cluster.
+    #[arg(long, default_value_t = 2)]
+    partitions: u32,
+    /// Replicas per partition (default: the number of brokers, at most 3).
+    #[arg(long)]
+    replication_factor: Option<u32>,
+    /// Where the brokers keep their data (one folder per broker).
+    #[arg(long, default_value = "./courier-data")]
+    data_dir: PathBuf,
+    /// Where the gateway listens for clients.
+    #[arg(long, default_value = "127.0.0.1:26500")]
+    gateway_addr: String,
+    /// Where Prometheus metrics are served (`/metrics`); "off" to disable.
+    #[arg(long, default_value = "127.0.0.1:9600")]
+    metrics_addr: String,
+    /// fsync (every append flushed before it counts) or replicated.
+    #[arg(long, default_value = "fsync")]
+    durability: Durability,
 }
-pub async fn broker(_a: BrokerArgs) -> anyhow::Result<()> {
-    bail!("not wired yet")
+
+#[derive(clap::Args)]
+pub struct BrokerArgs {
+    /// This broker's id; must be one of --peers.
+    #[arg(long)]
+    node_id: u64,
+    /// Address to listen on, as other brokers and gateways reach it.
+    #[arg(long)]
+    addr: String,
+    /// Every broker of the cluster: "1=HOST:PORT,2=HOST:PORT,3=HOST:PORT".
+    #[arg(long)]
+    peers: String,
+    #[arg(long, default_value_t = 2)]
+    partitions: u32,
+    #[arg(long, default_value_t = 1)]
+    replication_factor: u32,
+    #[arg(long, default_value = "./courier-data")]
+    data_dir: PathBuf,
+    /// fsync (every append flushed before it counts) or replicated.
+    #[arg(long, default_value = "fsync")]
+    durability: Durability,
+    /// Where Prometheus metrics are served (`/metrics`).
+    #[arg(long)]
+    metrics_addr: Option<String>,
+    /// Log entries between snapshots.
+    #[arg(long, default_value_t = RaftTuning::default().snapshot_every)]
+    snapshot_every: u64,
+    /// Log entries kept behind a snapshot for lagging followers.
+    #[arg(long, default_value_t = RaftTuning::default().keep_after_snapshot)]
+    keep_after_snapshot: u64,
 }
-pub async fn gateway(_a: GatewayArgs) -> anyhow::Result<()> {
-    bail!("not wired yet")
+
+#[derive(clap::Args)]
+pub struct GatewayArgs {
+    /// Address to listen on for clients.
+    #[arg(long, default_value = "127.0.0.1:26500")]
+    addr: String,
+    /// Brokers to learn the cluster from: "HOST:PORT,HOST:PORT".
+    #[arg(long)]
+    brokers: String,
+    /// Where Prometheus metrics are served (`/metrics`).
+    #[arg(long)]
+    metrics_addr: Option<String>,
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,openraft=warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// A token cancelled on Ctrl-C or SIGTERM.
+fn shutdown_on_signal() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            match signal(SignalKind::terminate()) {
+                Ok(mut term) => {
+                    tokio::select! {
+                        _ = ctrl_c => {}
+                        _ = term.recv() => {}
+                    }
+                }
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                }
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = ctrl_c.await;
+        tracing::info!("shutting down");
+        t.cancel();
+    });
+    token
+}
+
+async fn bind(addr: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))
+}
+
+/// Serves the default Prometheus registry at `/metrics` until `shutdown`.
+async fn serve_metrics(addr: &str, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let listener = bind(addr).await?;
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(|| async {
+            let mut out = String::new();
+            let families = prometheus::gather();
+            match prometheus::TextEncoder::new().encode_utf8(&families, &mut out) {
+                Ok(()) => (axum::http::StatusCode::OK, out),
+                Err(e) => (axum::http::StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            }
+        }),
+    );
+    tokio::spawn(async move {
+        let r = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await;
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "metrics server stopped");
+        }
+    });
+    Ok(())
+}
+
+pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
+    init_tracing();
+    if a.brokers < 1 {
+        bail!("--brokers must be at least 1");
+    }
+    let shutdown = shutdown_on_signal();
+    let rf = a.replication_factor.unwrap_or(a.brokers.min(3) as u32);
+    // Brokers listen on free loopback ports; peers find each other through the
+    // static configuration, so the ports may differ from one run to the next.
+    let mut listeners = Vec::new();
+    let mut brokers = BTreeMap::new();
+    for id in 1..=a.brokers {
+        let l = bind("127.0.0.1:0").await?;
+        brokers.insert(id, l.local_addr()?.to_string());
+        listeners.push((id, l));
+    }
+    let gateway_listener = bind(&a.gateway_addr).await?;
+    if a.metrics_addr != "off" {
+        serve_metrics(&a.metrics_addr, shutdown.clone()).await?;
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for (id, listener) in listeners {
+        let config = BrokerConfig {
+            node_id: id,
+            brokers: brokers.clone(),
+            partitions: a.partitions,
+            replication_factor: rf,
+            data_dir: a.data_dir.join(format!("broker-{id}")),
+            durability: a.durability,
+            raft: RaftTuning::default(),
+        };
+        let s = shutdown.clone();
+        tasks.spawn(async move {
+            courier_broker::run(config, listener, s)
+                .await
+                .with_context(|| format!("broker {id}"))
+        });
+    }
+    let gw_config = courier_gateway::GatewayConfig {
+        brokers: brokers.values().cloned().collect(),
+        ..Default::default()
+    };
+    let s = shutdown.clone();
+    tasks.spawn(async move {
+        courier_gateway::serve(gw_config, gateway_listener, s)
+            .await
+            .context("gateway")
+    });
+    eprintln!(
+        "courier dev: {} broker(s), {} partition(s), replication factor {rf}, durability {:?}\n  gateway  {}\n  metrics  {}\n  data     {}\nPress Ctrl-C to stop.",
+        a.brokers,
+        a.partitions,
+        a.durability,
+        a.gateway_addr,
+        if a.metrics_addr == "off" { "off".to_string() } else { format!("http://{}/metrics", a.metrics_addr) },
+        a.data_dir.display()
+    );
+    wait_all(tasks, shutdown).await
+}
+
+/// Waits for every task; the first failure stops the others.
+async fn wait_all(
+    mut tasks: tokio::task::JoinSet<anyhow::Result<()>>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let mut first_err = None;
+    while let Some(r) = tasks.join_next().await {
+        let r = r.map_err(anyhow::Error::from).and_then(|r| r);
+        if let Err(e) = r {
+            shutdown.cancel();
+            first_err.get_or_insert(e);
+        }
+    }
+    first_err.map_or(Ok(()), Err)
+}
+
+fn parse_peers(s: &str) -> anyhow::Result<BTreeMap<u64, String>> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            let (id, addr) = p
+                .split_once('=')
+                .with_context(|| format!("peer '{p}' is not ID=HOST:PORT"))?;
+            let id: u64 = id
+                .trim()
+                .parse()
+                .with_context(|| format!("peer id '{id}' is not a number"))?;
+            Ok((id, addr.trim().to_string()))
+        })
+        .collect()
+}
+
+pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
+    init_tracing();
+    let shutdown = shutdown_on_signal();
+    let mut brokers = parse_peers(&a.peers)?;
+    brokers.entry(a.node_id).or_insert_with(|| a.addr.clone());
+    let listener = bind(&a.addr).await?;
+    if let Some(m) = &a.metrics_addr {
+        serve_metrics(m, shutdown.clone()).await?;
+    }
+    let config = BrokerConfig {
+        node_id: a.node_id,
+        brokers,
+        partitions: a.partitions,
+        replication_factor: a.replication_factor,
+        data_dir: a.data_dir,
+        durability: a.durability,
+        raft: RaftTuning {
+            snapshot_every: a.snapshot_every,
+            keep_after_snapshot: a.keep_after_snapshot,
+            ..RaftTuning::default()
+        },
+    };
+    courier_broker::run(config, listener, shutdown)
+        .await
+        .context("broker")
+}
+
+pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
+    init_tracing();
+    let shutdown = shutdown_on_signal();
+    let brokers: Vec<String> = a
+        .brokers
+        .split(',')
+        .map(|b| b.trim().to_string())
+        .filter(|b| !b.is_empty())
+        .collect();
+    if brokers.is_empty() {
+        bail!("--brokers must name at least one broker");
+    }
+    let listener = bind(&a.addr).await?;
+    if let Some(m) = &a.metrics_addr {
+        serve_metrics(m, shutdown.clone()).await?;
+    }
+    let config = courier_gateway::GatewayConfig {
+        brokers,
+        default_long_poll: Duration::from_secs(10),
+        ..Default::default()
+    };
+    courier_gateway::serve(config, listener, shutdown)
+        .await
+        .context("gateway")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_parse_and_bad_ones_say_why() {
+        let p = parse_peers("1=127.0.0.1:1, 2=127.0.0.1:2").unwrap();
+        assert_eq!(p.get(&2).map(String::as_str), Some("127.0.0.1:2"));
+        assert!(parse_peers("x=1").unwrap_err().to_string().contains("'x'"));
+        assert!(parse_peers("127.0.0.1:1")
+            .unwrap_err()
+            .to_string()
+            .contains("ID=HOST:PORT"));
+    }
 }

@@ -1,1 +1,135 @@
+//! Courier's gateway: stateless, it serves workers and producers over gRPC and forwards
+//! each request to the leader of the right partition among the brokers.
+//!
+//! # Layout
+//! - [`topology`]: the learned cluster view (membership, leaders) and broker channels.
+//! - [`router`]: sends a request to a partition's leader, retrying until its deadline.
+//! - [`long_poll`]: [`long_poll::LongPollQueue`], where ActivateJobs requests park.
+//! - [`link`]: one task per broker keeping the gateway <-> broker link open.
+//! - [`service`]: the `gateway_protocol.Gateway` and `courier.v1.Jobs` services.
+//! - [`metrics`]: Prometheus metrics in the default registry.
+//! - [`error`]: [`GatewayError`] and its mapping to gRPC statuses.
+//! - [`backoff`]: full-jitter exponential back-off.
 
+pub mod backoff;
+pub mod error;
+pub mod link;
+pub mod long_poll;
+pub mod metrics;
+pub mod router;
+pub mod service;
+pub mod topology;
+
+pub use error::GatewayError;
+
+use courier_proto::courier_v1::jobs_server::JobsServer;
+use courier_proto::gateway_protocol::gateway_server::GatewayServer;
+use futures::StreamExt;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Largest client message accepted: a CreateJob may carry 4 MiB of variables plus
+/// headers, and CreateJobs many of them.
+const MAX_CLIENT_MESSAGE: usize = 64 * 1024 * 1024;
+/// HTTP/2 pings on client connections, so dead workers' connections are closed.
+const CLIENT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const CLIENT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Pause after a failed accept (e.g. out of file descriptors), so the accept loop
+/// does not spin while the condition lasts.
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
+
+/// How a gateway finds the cluster and treats requests.
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    /// Broker addresses ("host:port") to learn the cluster from; need not be all brokers.
+    pub brokers: Vec<String>,
+    /// Long-poll time when ActivateJobs says requestTimeout = 0 (default 10 s).
+    pub default_long_poll: Duration,
+    /// Deadline for a request that carries no grpc-timeout (default 15 s).
+    pub default_request_timeout: Duration,
+    /// How often topology is refreshed from the brokers (default 500 ms).
+    pub topology_refresh: Duration,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            brokers: Vec::new(),
+            default_long_poll: Duration::from_secs(10),
+            default_request_timeout: Duration::from_secs(15),
+            topology_refresh: Duration::from_millis(500),
+        }
+    }
+}
+
+/// Serves until `shutdown` is cancelled, then stops every task it started and returns.
+pub async fn serve(
+    config: GatewayConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), GatewayError> {
+    let topology = Arc::new(topology::Topology::new(&config.brokers)?);
+    // A child token: the gateway's own tasks also stop when the server fails,
+    // without cancelling the caller's token.
+    let stop = shutdown.child_token();
+    let tasks = TaskTracker::new();
+    let queue = long_poll::LongPollQueue::new();
+    let gateway_id = format!("gateway-{:016x}", rand::random::<u64>());
+    tracing::info!(
+        gateway_id,
+        addr = ?listener.local_addr().ok(),
+        brokers = ?config.brokers,
+        "gateway starting"
+    );
+
+    let t = topology.clone();
+    let (every, token) = (config.topology_refresh, stop.clone());
+    tasks.spawn(async move { t.run(every, token).await });
+    let links = link::BrokerLink::new(topology.clone(), queue.clone(), gateway_id, stop.clone());
+    tasks.spawn(links.supervise(tasks.clone()));
+
+    let shared = service::Shared::new(
+        topology,
+        queue,
+        config.default_long_poll,
+        config.default_request_timeout,
+        stop.clone(),
+    );
+    let gateway = GatewayServer::new(service::GatewayService(shared.clone()))
+        .max_decoding_message_size(MAX_CLIENT_MESSAGE);
+    let jobs =
+        JobsServer::new(service::JobsService(shared)).max_decoding_message_size(MAX_CLIENT_MESSAGE);
+
+    let incoming = TcpListenerStream::new(listener).then(|accepted| async move {
+        match &accepted {
+            Ok(stream) => {
+                // serve_with_incoming ignores the server's tcp_nodelay setting.
+                if let Err(e) = stream.set_nodelay(true) {
+                    tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+            }
+        }
+        accepted
+    });
+
+    let result = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(CLIENT_KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(CLIENT_KEEPALIVE_TIMEOUT))
+        .add_service(gateway)
+        .add_service(jobs)
+        .serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned())
+        .await;
+
+    stop.cancel();
+    tasks.close();
+    tasks.wait().await;
+    tracing::info!("gateway stopped");
+    Ok(result?)
+}

@@ -1,0 +1,41 @@
+//! The gateway's one error type and its one mapping to gRPC statuses.
+
+use courier_proto::domain::BrokerError;
+
+/// Everything that can go wrong in the gateway, from bad client input to a broken
+/// listener.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// The client's request is malformed; the message names the field.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The request reached no broker or a broker refused it.
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+    /// A broker address in the configuration cannot be used.
+    #[error("broker address '{addr}' is not usable: {reason}")]
+    BadBrokerAddress {
+        /// The address as configured.
+        addr: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// The configuration names no broker to learn the cluster from.
+    #[error("no broker address configured")]
+    NoBrokers,
+    /// The gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Server(#[from] tonic::transport::Error),
+}
+
+impl From<GatewayError> for tonic::Status {
+    fn from(e: GatewayError) -> Self {
+        match e {
+            GatewayError::InvalidArgument(m) => tonic::Status::invalid_argument(m),
+            GatewayError::Broker(b) => b.into(),
+            e @ (GatewayError::BadBrokerAddress { .. }
+            | GatewayError::NoBrokers
+            | GatewayError::Server(_)) => tonic::Status::internal(e.to_string()),
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! The long-lived gateway <-> broker links: one task per broker keeps a `Link` stream
+//! open and handles what the broker sends on it.
+//!
+//! New message kinds (job pushes, capacity reports) go into [`BrokerLink::handle`]
+//! and, for the gateway's side, through the sender kept in [`Connected`].
+
+use crate::backoff::Backoff;
+use crate::long_poll::LongPollQueue;
+use crate::metrics;
+use crate::topology::Topology;
+use courier_proto::cluster::{
+    broker_client::BrokerClient, broker_message, gateway_message, BrokerMessage, GatewayHello,
+    GatewayMessage,
+};
+use courier_proto::domain::NodeId;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+const RECONNECT_BASE: Duration = Duration::from_millis(50);
+const RECONNECT_CAP: Duration = Duration::from_secs(2);
+/// A link that stayed up this long was healthy: the next reconnect starts from the
+/// shortest back-off again. A link that flaps faster keeps backing off.
+const STABLE_LINK: Duration = Duration::from_secs(5);
+/// Bound on opening a link (connection plus the broker's response headers).
+const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
+/// Messages the gateway may queue towards one broker before senders wait.
+const OUTBOUND_BUFFER: usize = 64;
+
+/// What every link task shares.
+#[derive(Clone)]
+pub struct BrokerLink {
+    topology: Arc<Topology>,
+    queue: Arc<LongPollQueue>,
+    /// Unique per gateway process, so a broker can tell a restarted gateway apart.
+    gateway_id: String,
+    shutdown: CancellationToken,
+}
+
+/// An open link: the broker's messages, and the sender that keeps the gateway's side
+/// of the stream open (dropping it would end the stream).
+struct Connected {
+    inbound: tonic::Streaming<BrokerMessage>,
+    _outbound: mpsc::Sender<GatewayMessage>,
+}
+
+impl BrokerLink {
+    /// Link tasks over `topology`, feeding notices into `queue`.
+    pub fn new(
+        topology: Arc<Topology>,
+        queue: Arc<LongPollQueue>,
+        gateway_id: String,
+        shutdown: CancellationToken,
+    ) -> Self {
+        BrokerLink {
+            topology,
+            queue,
+            gateway_id,
+            shutdown,
+        }
+    }
+
+    /// Starts one link task on `tracker` for every broker of the membership, as it is
+    /// learned, until shutdown.
+    pub async fn supervise(self, tracker: TaskTracker) {
+        let mut members = self.topology.members();
+        let mut started: HashSet<NodeId> = HashSet::new();
+        loop {
+            let nodes: Vec<NodeId> = members.borrow_and_update().keys().copied().collect();
+            for node in nodes {
+                if started.insert(node) {
+                    tracker.spawn(self.clone().run(node));
+                }
+            }
+            tokio::select! {
+                changed = members.changed() => if changed.is_err() { return },
+                _ = self.shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    /// Keeps the link to broker `node` open, reconnecting with back-off, until shutdown.
+    async fn run(self, node: NodeId) {
+        let mut backoff = Backoff::new(RECONNECT_BASE, RECONNECT_CAP);
+        let mut failures = 0u32;
+        while !self.shutdown.is_cancelled() {
+            let started = Instant::now();
+            let opened = tokio::select! {
+                opened = self.open(node) => opened,
+                _ = self.shutdown.cancelled() => return,
+            };
+            match opened {
+                Ok(link) => {
+                    failures = 0;
+                    tracing::info!(node, "broker link connected");
+                    metrics::broker_links(1);
+                    // Notices sent while the link was down are lost: every parked
+                    // poll looks again.
+                    self.queue.notify_all();
+                    self.serve(node, link).await;
+                    metrics::broker_links(-1);
+                }
+                Err(e) => {
+                    failures += 1;
+                    if failures == 1 {
+                        tracing::warn!(node, error = e, "cannot open broker link; retrying");
+                    } else {
+                        tracing::debug!(node, error = e, failures, "cannot open broker link");
+                    }
+                }
+            }
+            if started.elapsed() >= STABLE_LINK {
+                backoff.reset();
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(backoff.next_delay()) => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    async fn open(&self, node: NodeId) -> Result<Connected, String> {
+        let channel = self
+            .topology
+            .node_channel(node)
+            .ok_or_else(|| "no usable address".to_string())?;
+        let (tx, rx) = mpsc::channel(OUTBOUND_BUFFER);
+        let hello = GatewayMessage {
+            kind: Some(gateway_message::Kind::Hello(GatewayHello {
+                gateway_id: self.gateway_id.clone(),
+            })),
+        };
+        tx.send(hello)
+            .await
+            .map_err(|_| "link closed before hello".to_string())?;
+        let mut client = BrokerClient::new(channel);
+        let call = client.link(ReceiverStream::new(rx));
+        match tokio::time::timeout(OPEN_TIMEOUT, call).await {
+            Ok(Ok(response)) => Ok(Connected {
+                inbound: response.into_inner(),
+                _outbound: tx,
+            }),
+            Ok(Err(status)) => Err(status.to_string()),
+            Err(_) => Err("timed out".to_string()),
+        }
+    }
+
+    /// Handles the broker's messages until the link ends or shutdown.
+    async fn serve(&self, node: NodeId, mut link: Connected) {
+        loop {
+            let next = tokio::select! {
+                next = link.inbound.message() => next,
+                _ = self.shutdown.cancelled() => return,
+            };
+            match next {
+                Ok(Some(msg)) => self.handle(node, msg),
+                Ok(None) => {
+                    tracing::warn!(node, "broker closed the link");
+                    return;
+                }
+                Err(status) => {
+                    tracing::warn!(node, %status, "broker link failed");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// One message from a broker. Never fails: a message that makes no sense is
+    /// logged and dropped, the link stays up.
+    fn handle(&self, node: NodeId, msg: BrokerMessage) {
+        match msg.kind {
+            Some(broker_message::Kind::JobsAvailable(j)) => {
+                if j.r#type.is_empty() {
+                    tracing::warn!(node, "dropping JobsAvailable without a type");
+                    return;
+                }
+                tracing::trace!(
+                    node,
+                    job_type = j.r#type,
+                    partition = j.partition_id,
+                    "jobs available"
+                );
+                self.queue.notify(&j.r#type);
+            }
+            // A kind this gateway does not know (a newer broker) decodes as None.
+            None => tracing::warn!(node, "dropping a link message of unknown kind"),
+        }
+    }
+}

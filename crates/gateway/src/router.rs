@@ -1,0 +1,315 @@
+//! Sends a request to the leader of a partition, retrying while the partition is
+//! between leaders or its leader is unreachable, until the request's deadline.
+
+use crate::backoff::Backoff;
+use crate::metrics;
+use crate::topology::Topology;
+use courier_proto::cluster::{broker_client::BrokerClient, ExecuteRequest};
+use courier_proto::codec;
+use courier_proto::domain::{BrokerError, NodeId, PartitionId, Reply, Request};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+const RETRY_BASE: Duration = Duration::from_millis(10);
+const RETRY_CAP: Duration = Duration::from_millis(500);
+/// Largest reply accepted from a broker: an activation batch carries up to
+/// maxJobsToActivate jobs of up to 4 MiB variables each, far above tonic's 4 MiB default.
+pub const MAX_BROKER_MESSAGE: usize = 256 * 1024 * 1024;
+/// No deadline lies further out than this, so adding a client's timeout to `now`
+/// can never overflow.
+const FAR_FUTURE: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Why a routed request failed in the end.
+#[derive(Debug)]
+pub struct RouteFailure {
+    /// What the client is told.
+    pub error: BrokerError,
+    /// True when every attempt failed before a leader could act on it: refused as
+    /// NotLeader, no leader known, or connection refused. Only then may the same
+    /// request go to a different partition without risk of applying it twice.
+    pub not_applied: bool,
+}
+
+/// The outcome of one attempt that did not produce a broker answer.
+enum Failed {
+    /// No leader known for the partition, or no address for it.
+    NoLeader,
+    /// The connection could not be made: the request was never sent.
+    Unreachable(String),
+    /// The request may have been sent: the call failed or timed out midway.
+    Transport(String),
+    /// The broker's answer could not be understood, or it failed in a way that
+    /// retrying does not fix.
+    Fatal(String),
+}
+
+/// Routes requests to partition leaders.
+#[derive(Clone)]
+pub struct Router {
+    topology: Arc<Topology>,
+    shutdown: CancellationToken,
+}
+
+impl Router {
+    /// A router over `topology`; retries stop when `shutdown` is cancelled.
+    pub fn new(topology: Arc<Topology>, shutdown: CancellationToken) -> Self {
+        Router { topology, shutdown }
+    }
+
+    /// Runs `request` on `partition`'s leader, retrying until `deadline`.
+    pub async fn execute(
+        &self,
+        partition: PartitionId,
+        request: &Request,
+        deadline: Instant,
+    ) -> Result<Reply, BrokerError> {
+        self.execute_until(partition, request, deadline, deadline)
+            .await
+            .map_err(|f| f.error)
+    }
+
+    /// Like [`Router::execute`], but starts no new attempt after `retry_until`
+    /// (an attempt in flight still runs until `deadline`), and says whether the
+    /// request can have been applied.
+    pub async fn execute_until(
+        &self,
+        partition: PartitionId,
+        request: &Request,
+        retry_until: Instant,
+        deadline: Instant,
+    ) -> Result<Reply, RouteFailure> {
+        let execute = ExecuteRequest {
+            partition_id: partition.0,
+            // Another partition would fail the same way: not worth moving on for.
+            request: codec::encode(request).map_err(|e| RouteFailure {
+                error: BrokerError::Internal(e.to_string()),
+                not_applied: false,
+            })?,
+        };
+        let mut backoff = Backoff::new(RETRY_BASE, RETRY_CAP);
+        let mut not_applied = true;
+        loop {
+            let (reason, last) = match self.attempt(partition, &execute, deadline).await {
+                Ok(Ok(reply)) => return Ok(reply),
+                Ok(Err(BrokerError::NotLeader { leader, .. })) => {
+                    ("not_leader", format!("not leader (hint: {leader:?})"))
+                }
+                Ok(Err(e @ BrokerError::Unavailable(_))) => {
+                    not_applied = false;
+                    ("unavailable", e.to_string())
+                }
+                Ok(Err(e @ BrokerError::ResourceExhausted(_))) => {
+                    not_applied = false;
+                    ("resource_exhausted", e.to_string())
+                }
+                Ok(Err(e)) => {
+                    return Err(RouteFailure {
+                        error: e,
+                        not_applied: false,
+                    })
+                }
+                Err(Failed::NoLeader) => ("no_leader", "no leader known".to_string()),
+                Err(Failed::Unreachable(m)) => ("unreachable", m),
+                Err(Failed::Transport(m)) => {
+                    not_applied = false;
+                    ("transport", m)
+                }
+                Err(Failed::Fatal(m)) => {
+                    return Err(RouteFailure {
+                        error: BrokerError::Internal(m),
+                        not_applied: false,
+                    })
+                }
+            };
+            let wake = Instant::now() + backoff.next_delay();
+            if wake >= retry_until.min(deadline) || self.shutdown.is_cancelled() {
+                tracing::debug!(%partition, reason, last, "giving up");
+                return Err(RouteFailure {
+                    error: BrokerError::Unavailable(format!(
+                        "partition {partition} is unavailable: {last}"
+                    )),
+                    not_applied,
+                });
+            }
+            metrics::broker_retry(reason);
+            tracing::trace!(%partition, reason, last, "retrying");
+            tokio::select! {
+                _ = tokio::time::sleep_until(wake) => {}
+                _ = self.shutdown.cancelled() => {}
+            }
+        }
+    }
+
+    /// One attempt against the leader as currently known. The outer `Result` is the
+    /// routing, the inner one the broker's answer.
+    async fn attempt(
+        &self,
+        partition: PartitionId,
+        execute: &ExecuteRequest,
+        deadline: Instant,
+    ) -> Result<Result<Reply, BrokerError>, Failed> {
+        let Some(node) = self.topology.leader(partition) else {
+            self.topology.request_refresh();
+            return Err(Failed::NoLeader);
+        };
+        let Some(channel) = self.topology.node_channel(node) else {
+            self.topology.request_refresh();
+            return Err(Failed::NoLeader);
+        };
+        // Cloning shares the encoded payload (`Bytes`), it does not copy it.
+        let mut req = tonic::Request::new(execute.clone());
+        req.set_timeout(deadline.saturating_duration_since(Instant::now()));
+        let mut client = BrokerClient::new(channel).max_decoding_message_size(MAX_BROKER_MESSAGE);
+        let reply = match tokio::time::timeout_at(deadline, client.execute(req)).await {
+            Err(_) => return Err(Failed::Transport(format!("broker {node} timed out"))),
+            Ok(Err(status)) => return Err(self.classify(node, &status)),
+            Ok(Ok(r)) => r.into_inner(),
+        };
+        let answer: Result<Reply, BrokerError> = codec::decode(&reply.reply)
+            .map_err(|e| Failed::Fatal(format!("broker {node} sent a bad reply: {e}")))?;
+        if let Err(BrokerError::NotLeader { leader, .. }) = &answer {
+            self.topology.hint(partition, node, *leader);
+            if leader.is_none() {
+                self.topology.request_refresh();
+            }
+        }
+        Ok(answer)
+    }
+
+    fn classify(&self, node: NodeId, status: &tonic::Status) -> Failed {
+        let what = format!("broker {node}: {:?}: {}", status.code(), status.message());
+        // The leader may have died: learn who leads now rather than in a full round.
+        self.topology.request_refresh();
+        if is_connect_error(status) {
+            return Failed::Unreachable(what);
+        }
+        use tonic::Code::*;
+        match status.code() {
+            Unavailable | Unknown | Internal | Cancelled | Aborted | DeadlineExceeded => {
+                Failed::Transport(what)
+            }
+            // The broker's gRPC layer refused the call itself (too large, not served):
+            // the same call would be refused again.
+            _ => Failed::Fatal(what),
+        }
+    }
+}
+
+/// Whether the call failed while connecting, i.e. before anything was sent.
+fn is_connect_error(status: &tonic::Status) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(e) = source {
+        if e.is::<tonic::ConnectError>() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
+/// The deadline of an incoming request: its `grpc-timeout` if it has a valid one,
+/// else `default` from now.
+pub fn request_deadline(metadata: &tonic::metadata::MetadataMap, default: Duration) -> Instant {
+    let timeout = metadata
+        .get("grpc-timeout")
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_grpc_timeout)
+        .unwrap_or(default);
+    instant_after(timeout)
+}
+
+/// `now + d`, saturating at a year from now.
+pub fn instant_after(d: Duration) -> Instant {
+    Instant::now() + d.min(FAR_FUTURE)
+}
+
+/// Parses a `grpc-timeout` header value: up to 8 ASCII digits and a unit, one of
+/// `H` `M` `S` `m` `u` `n` (hours down to nanoseconds).
+pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
+    let digits = value.get(..value.len().checked_sub(1)?)?;
+    let unit = value.get(digits.len()..)?;
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_in_every_unit() {
+        assert_eq!(parse_grpc_timeout("2H"), Some(Duration::from_secs(7200)));
+        assert_eq!(parse_grpc_timeout("3M"), Some(Duration::from_secs(180)));
+        assert_eq!(parse_grpc_timeout("15S"), Some(Duration::from_secs(15)));
+        assert_eq!(parse_grpc_timeout("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_grpc_timeout("7u"), Some(Duration::from_micros(7)));
+        assert_eq!(
+            parse_grpc_timeout("99999999n"),
+            Some(Duration::from_nanos(99_999_999))
+        );
+        assert_eq!(parse_grpc_timeout("0m"), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn malformed_grpc_timeouts_are_ignored() {
+        for bad in [
+            "",
+            "S",
+            "10",
+            "10s",
+            "10x",
+            "-1S",
+            "1.5S",
+            "123456789S",
+            " 1S",
+            "1 S",
+            "1é",
+        ] {
+            assert_eq!(parse_grpc_timeout(bad), None, "{bad:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_known_to_be_unsent() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        drop(listener);
+        let topology = Topology::new(std::slice::from_ref(&addr)).unwrap();
+        let mut client = BrokerClient::new(topology.channel(&addr).unwrap());
+        let status = client.execute(ExecuteRequest::default()).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        assert!(is_connect_error(&status), "{status:?}");
+        assert!(!is_connect_error(&tonic::Status::unavailable("reset")));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn deadlines_come_from_the_header_or_the_default() {
+        let default = Duration::from_secs(15);
+        let mut md = tonic::metadata::MetadataMap::new();
+        let now = Instant::now();
+        assert_eq!(request_deadline(&md, default), now + default);
+        md.insert("grpc-timeout", "500m".parse().unwrap());
+        assert_eq!(
+            request_deadline(&md, default),
+            now + Duration::from_millis(500)
+        );
+        md.insert("grpc-timeout", "bogus".parse().unwrap());
+        assert_eq!(request_deadline(&md, default), now + default);
+        // The largest legal header value does not overflow.
+        md.insert("grpc-timeout", "99999999H".parse().unwrap());
+        assert_eq!(request_deadline(&md, default), now + FAR_FUTURE);
+    }
+}

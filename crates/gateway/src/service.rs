@@ -1,0 +1,737 @@
+//! The client-facing gRPC services: Zeebe's `gateway_protocol.Gateway` for workers and
+//! Courier's `courier.v1.Jobs` for producers. Both are thin: convert and validate the
+//! request, route it, convert the reply.
+
+use crate::error::GatewayError;
+use crate::long_poll::LongPollQueue;
+use crate::metrics::{self, RequestObserver};
+use crate::router::{instant_after, request_deadline, Router};
+use crate::topology::{ClusterView, Topology};
+use courier_proto::convert;
+use courier_proto::courier_v1::{self as v1, jobs_server::Jobs};
+use courier_proto::domain::{
+    ActivatedJob, ActivationProps, BrokerError, Command, JobKey, NewJob, PartitionId, Reply,
+    Request,
+};
+use courier_proto::gateway_protocol::{self as gw, gateway_server::Gateway};
+use futures::{Stream, StreamExt};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tonic::{Response, Status};
+use tracing::Instrument;
+
+/// How long a long-poll visit keeps retrying one partition before skipping it: long
+/// enough to follow a NotLeader hint, short enough that one sick partition does not
+/// hold up the others.
+const VISIT_RETRY_BUDGET: Duration = Duration::from_millis(300);
+/// How long CreateJob waits for one partition's leader before trying the next one.
+const CREATE_HOP_AFTER: Duration = Duration::from_secs(1);
+/// A long poll ends this much before the request's deadline, so the client gets a
+/// clean end of stream rather than DEADLINE_EXCEEDED.
+const LONG_POLL_MARGIN: Duration = Duration::from_millis(100);
+/// Most jobs one CreateJobs request may carry.
+pub const MAX_BATCH: usize = 10_000;
+/// The version reported by Topology.
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// Rotates the first partition of successive visits, so that requests spread over
+/// partitions instead of all draining partition 1 first.
+#[derive(Debug, Default)]
+pub struct RoundRobin(AtomicU32);
+
+impl RoundRobin {
+    /// Partitions `1..=count`, each once, starting one further than the last call.
+    pub fn order(&self, count: u32) -> impl Iterator<Item = PartitionId> {
+        let start = self.0.fetch_add(1, Ordering::Relaxed);
+        // `% count` before adding, so the counter wrapping around never repeats one.
+        let first = start.checked_rem(count).unwrap_or(0);
+        (0..count).map(move |i| PartitionId((first + i) % count + 1))
+    }
+}
+
+/// What both services share.
+pub struct Shared {
+    topology: Arc<Topology>,
+    router: Router,
+    queue: Arc<LongPollQueue>,
+    default_long_poll: Duration,
+    default_request_timeout: Duration,
+    activate_start: RoundRobin,
+    create_start: RoundRobin,
+    shutdown: CancellationToken,
+}
+
+impl Shared {
+    /// The state both services work on.
+    pub fn new(
+        topology: Arc<Topology>,
+        queue: Arc<LongPollQueue>,
+        default_long_poll: Duration,
+        default_request_timeout: Duration,
+        shutdown: CancellationToken,
+    ) -> Arc<Self> {
+        Arc::new(Shared {
+            router: Router::new(topology.clone(), shutdown.clone()),
+            topology,
+            queue,
+            default_long_poll,
+            default_request_timeout,
+            activate_start: RoundRobin::default(),
+            create_start: RoundRobin::default(),
+            shutdown,
+        })
+    }
+
+    fn deadline<T>(&self, request: &tonic::Request<T>) -> Instant {
+        request_deadline(request.metadata(), self.default_request_timeout)
+    }
+
+    /// The partition a job key lives on; a key for a partition the cluster does not
+    /// have names no job.
+    fn partition_of(&self, key: JobKey) -> Result<PartitionId, GatewayError> {
+        let partition = key
+            .partition()
+            .ok_or_else(|| invalid(format!("job key {key} is not a key Courier issued")))?;
+        let count = self.topology.partitions_count();
+        if count > 0 && partition.0 > count {
+            return Err(BrokerError::NotFound(format!(
+                "no job with key {key}: partition {partition} does not exist"
+            ))
+            .into());
+        }
+        Ok(partition)
+    }
+
+    /// Runs a request about one job on the job's partition.
+    async fn on_job(
+        &self,
+        key: JobKey,
+        request: Request,
+        deadline: Instant,
+    ) -> Result<Reply, GatewayError> {
+        let partition = self.partition_of(key)?;
+        Ok(self.router.execute(partition, &request, deadline).await?)
+    }
+
+    /// Runs a command that answers `Done` on the job's partition.
+    async fn job_command(
+        &self,
+        key: i64,
+        command: Result<Command, String>,
+        deadline: Instant,
+    ) -> Result<(), GatewayError> {
+        let command = command.map_err(invalid)?;
+        match self
+            .on_job(JobKey(key), Request::Command(command), deadline)
+            .await?
+        {
+            Reply::Done => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// ActivateJobs: visit the partitions, park until a notice if nothing was found,
+    /// and answer with the jobs (`None`: end the stream without a message).
+    async fn activate(
+        &self,
+        props: ActivationProps,
+        max: u32,
+        request_timeout_ms: i64,
+        deadline: Instant,
+    ) -> Result<Option<gw::ActivateJobsResponse>, GatewayError> {
+        let poll_end = match request_timeout_ms {
+            t if t < 0 => None,
+            0 => Some(instant_after(self.default_long_poll)),
+            t => Some(instant_after(Duration::from_millis(t.unsigned_abs()))),
+        }
+        .map(|end| end.min(deadline.checked_sub(LONG_POLL_MARGIN).unwrap_or(deadline)));
+        // Subscribed before the first visit: a notice during the visit is not lost.
+        let mut waiter = poll_end.map(|_| self.queue.subscribe(&props.job_type));
+        loop {
+            let jobs = self.visit(&props, max, deadline).await?;
+            if !jobs.is_empty() {
+                metrics::jobs_activated(jobs.len());
+                tracing::debug!(jobs = jobs.len(), "activated");
+                return Ok(Some(gw::ActivateJobsResponse {
+                    jobs: jobs.into_iter().map(gw::ActivatedJob::from).collect(),
+                }));
+            }
+            let (Some(end), Some(w)) = (poll_end, waiter.as_mut()) else {
+                return Ok(None);
+            };
+            if !w.wait(end, &self.shutdown).await {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// One pass over the partitions, from a rotating start, until `max` jobs.
+    async fn visit(
+        &self,
+        props: &ActivationProps,
+        max: u32,
+        deadline: Instant,
+    ) -> Result<Vec<ActivatedJob>, GatewayError> {
+        let mut jobs: Vec<ActivatedJob> = Vec::new();
+        for partition in self.activate_start.order(self.topology.partitions_count()) {
+            let remaining = max.saturating_sub(u32::try_from(jobs.len()).unwrap_or(u32::MAX));
+            if remaining == 0 {
+                break;
+            }
+            let request = Request::Command(Command::Activate {
+                props: props.clone(),
+                max_jobs: remaining,
+            });
+            let retry_until = instant_after(VISIT_RETRY_BUDGET).min(deadline);
+            match self
+                .router
+                .execute_until(partition, &request, retry_until, deadline)
+                .await
+            {
+                Ok(Reply::Activated(batch)) => jobs.extend(batch),
+                Ok(other) => {
+                    tracing::warn!(%partition, reply = reply_kind(&other), "unexpected reply to Activate")
+                }
+                Err(f) if matches!(f.error, BrokerError::Unavailable(_)) => {
+                    // Counted in the retry metric; at info level this would log every poll.
+                    tracing::debug!(%partition, error = %f.error, "skipping unavailable partition");
+                }
+                // Jobs already activated elsewhere must reach the worker, or they sit
+                // out their timeout: answer with them and let the next poll hit the error.
+                Err(f) if !jobs.is_empty() => {
+                    tracing::warn!(%partition, error = %f.error, "partition refused Activate");
+                    break;
+                }
+                Err(f) => return Err(f.error.into()),
+            }
+        }
+        Ok(jobs)
+    }
+
+    /// Creates `jobs` in one command on one partition, chosen round-robin. A partition
+    /// without a reachable leader is passed over only while the command certainly was
+    /// not applied there, so a job is never created twice.
+    async fn create(
+        &self,
+        jobs: Vec<NewJob>,
+        deadline: Instant,
+    ) -> Result<(Vec<JobKey>, PartitionId), GatewayError> {
+        let count = self.topology.wait_for_partitions(deadline).await;
+        if count == 0 {
+            return Err(BrokerError::Unavailable(
+                "the cluster's partitions are not known yet: no broker has answered".into(),
+            )
+            .into());
+        }
+        let request = Request::Command(Command::Create(jobs));
+        let order: Vec<PartitionId> = self.create_start.order(count).collect();
+        let mut last = None;
+        for &partition in order.iter().cycle() {
+            if Instant::now() >= deadline {
+                break;
+            }
+            let retry_until = instant_after(CREATE_HOP_AFTER).min(deadline);
+            match self
+                .router
+                .execute_until(partition, &request, retry_until, deadline)
+                .await
+            {
+                Ok(Reply::Created(keys)) => return Ok((keys, partition)),
+                Ok(other) => return Err(unexpected(&other)),
+                Err(f) if f.not_applied => {
+                    tracing::debug!(%partition, error = %f.error, "trying the next partition");
+                    last = Some(f.error);
+                }
+                Err(f) => return Err(f.error.into()),
+            }
+        }
+        Err(last
+            .unwrap_or_else(|| BrokerError::Unavailable("request deadline passed".into()))
+            .into())
+    }
+}
+
+fn invalid(message: impl Into<String>) -> GatewayError {
+    GatewayError::InvalidArgument(message.into())
+}
+
+fn unexpected(reply: &Reply) -> GatewayError {
+    BrokerError::Internal(format!(
+        "unexpected reply from broker: {}",
+        reply_kind(reply)
+    ))
+    .into()
+}
+
+fn reply_kind(reply: &Reply) -> &'static str {
+    match reply {
+        Reply::Created(_) => "Created",
+        Reply::Activated(_) => "Activated",
+        Reply::Done => "Done",
+        Reply::Job(_) => "Job",
+    }
+}
+
+/// Runs one unary request: counts and times it, traces it in `span`, maps errors.
+async fn unary<T>(
+    method: &'static str,
+    span: tracing::Span,
+    work: impl Future<Output = Result<T, GatewayError>>,
+) -> Result<Response<T>, Status> {
+    let observer = RequestObserver::start(method);
+    let result = work.instrument(span.clone()).await.map_err(Status::from);
+    let code = match &result {
+        Ok(_) => tonic::Code::Ok,
+        Err(s) => {
+            span.in_scope(
+                || tracing::debug!(code = ?s.code(), message = s.message(), "request failed"),
+            );
+            s.code()
+        }
+    };
+    observer.finish(code);
+    result.map(Response::new)
+}
+
+/// The Zeebe gateway service.
+#[derive(Clone)]
+pub struct GatewayService(pub Arc<Shared>);
+
+/// The stream type of ActivateJobs: at most one response, then the end.
+pub type ActivateJobsStream =
+    Pin<Box<dyn Stream<Item = Result<gw::ActivateJobsResponse, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl Gateway for GatewayService {
+    type ActivateJobsStream = ActivateJobsStream;
+    type StreamActivatedJobsStream = futures::stream::Empty<Result<gw::ActivatedJob, Status>>;
+
+    async fn activate_jobs(
+        &self,
+        request: tonic::Request<gw::ActivateJobsRequest>,
+    ) -> Result<Response<Self::ActivateJobsStream>, Status> {
+        let observer = RequestObserver::start("ActivateJobs");
+        let deadline = self.0.deadline(&request);
+        let req = request.into_inner();
+        let span = tracing::info_span!(
+            "ActivateJobs",
+            job_type = %req.r#type,
+            worker = %req.worker,
+            max_jobs = req.max_jobs_to_activate,
+            request_timeout = req.request_timeout,
+        );
+        let (props, max) = match convert::activate_request(&req) {
+            Ok(v) => v,
+            Err(m) => {
+                observer.finish(tonic::Code::InvalidArgument);
+                return Err(Status::invalid_argument(m));
+            }
+        };
+        let shared = self.0.clone();
+        let poll = async move {
+            let result = shared
+                .activate(props, max, req.request_timeout, deadline)
+                .await
+                .map_err(Status::from);
+            observer.finish(
+                result
+                    .as_ref()
+                    .map_or_else(|s| s.code(), |_| tonic::Code::Ok),
+            );
+            result
+        }
+        .instrument(span);
+        // The stream is dropped when the client goes away, which cancels the poll.
+        let stream = futures::stream::once(poll).filter_map(|r| std::future::ready(r.transpose()));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn stream_activated_jobs(
+        &self,
+        _request: tonic::Request<gw::StreamActivatedJobsRequest>,
+    ) -> Result<Response<Self::StreamActivatedJobsStream>, Status> {
+        RequestObserver::start("StreamActivatedJobs").finish(tonic::Code::Unimplemented);
+        Err(Status::unimplemented(
+            "job push is not available on this gateway yet",
+        ))
+    }
+
+    async fn complete_job(
+        &self,
+        request: tonic::Request<gw::CompleteJobRequest>,
+    ) -> Result<Response<gw::CompleteJobResponse>, Status> {
+        let deadline = self.0.deadline(&request);
+        let r = request.into_inner();
+        let span = tracing::info_span!("CompleteJob", job_key = r.job_key);
+        unary("CompleteJob", span, async {
+            let command = convert::complete_request(&r);
+            self.0.job_command(r.job_key, command, deadline).await?;
+            Ok(gw::CompleteJobResponse {})
+        })
+        .await
+    }
+
+    async fn fail_job(
+        &self,
+        request: tonic::Request<gw::FailJobRequest>,
+    ) -> Result<Response<gw::FailJobResponse>, Status> {
+        let deadline = self.0.deadline(&request);
+        let r = request.into_inner();
+        let span = tracing::info_span!("FailJob", job_key = r.job_key, retries = r.retries);
+        unary("FailJob", span, async {
+            let command = convert::fail_request(&r);
+            self.0.job_command(r.job_key, command, deadline).await?;
+            Ok(gw::FailJobResponse {})
+        })
+        .await
+    }
+
+    async fn throw_error(
+        &self,
+        request: tonic::Request<gw::ThrowErrorRequest>,
+    ) -> Result<Response<gw::ThrowErrorResponse>, Status> {
+        let deadline = self.0.deadline(&request);
+        let r = request.into_inner();
+        let span =
+            tracing::info_span!("ThrowError", job_key = r.job_key, error_code = %r.error_code);
+        unary("ThrowError", span, async {
+            let command = convert::throw_error_request(&r);
+            self.0.job_command(r.job_key, command, deadline).await?;
+            Ok(gw::ThrowErrorResponse {})
+        })
+        .await
+    }
+
+    async fn update_job_retries(
+        &self,
+        request: tonic::Request<gw::UpdateJobRetriesRequest>,
+    ) -> Result<Response<gw::UpdateJobRetriesResponse>, Status> {
+        let deadline = self.0.deadline(&request);
+        let r = request.into_inner();
+        let span =
+            tracing::info_span!("UpdateJobRetries", job_key = r.job_key, retries = r.retries);
+        unary("UpdateJobRetries", span, async {
+            let command = convert::update_retries_request(&r);
+            self.0.job_command(r.job_key, command, deadline).await?;
+            Ok(gw::UpdateJobRetriesResponse {})
+        })
+        .await
+    }
+
+    async fn update_job_timeout(
+        &self,
+        request: tonic::Request<gw::UpdateJobTimeoutRequest>,
+    ) -> Result<Response<gw::UpdateJobTimeoutResponse>, Status> {
+        let deadline = self.0.deadline(&request);
+        let r = request.into_inner();
+        let span =
+            tracing::info_span!("UpdateJobTimeout", job_key = r.job_key, timeout = r.timeout);
+        unary("UpdateJobTimeout", span, async {
+            let command = convert::update_timeout_request(&r);
+            self.0.job_command(r.job_key, command, deadline).await?;
+            Ok(gw::UpdateJobTimeoutResponse {})
+        })
+        .await
+    }
+
+    async fn topology(
+        &self,
+        _request: tonic::Request<gw::TopologyRequest>,
+    ) -> Result<Response<gw::TopologyResponse>, Status> {
+        let span = tracing::info_span!("Topology");
+        unary("Topology", span, async {
+            Ok(zeebe_topology(&self.0.topology.snapshot()))
+        })
+        .await
+    }
+}
+
+/// The cluster as Zeebe clients expect to see it. A broker that did not answer the
+/// last round is listed without partitions.
+pub fn zeebe_topology(view: &ClusterView) -> gw::TopologyResponse {
+    use gw::partition::{PartitionBrokerHealth as Health, PartitionBrokerRole as Role};
+    let brokers = view
+        .members
+        .iter()
+        .map(|(&node, addr)| {
+            let (host, port) = split_host_port(addr);
+            let partitions = view
+                .reports
+                .get(&node)
+                .into_iter()
+                .flatten()
+                .map(|p| {
+                    let role = match p.role.as_str() {
+                        "leader" => Role::Leader,
+                        "follower" => Role::Follower,
+                        _ => Role::Inactive,
+                    };
+                    let health = if view.leaders.contains_key(&p.partition) {
+                        Health::Healthy
+                    } else {
+                        Health::Unhealthy
+                    };
+                    gw::Partition {
+                        partition_id: to_i32(p.partition.0.into()),
+                        role: role as i32,
+                        health: health as i32,
+                    }
+                })
+                .collect();
+            gw::BrokerInfo {
+                node_id: to_i32(node),
+                host,
+                port,
+                partitions,
+                version: VERSION.to_string(),
+            }
+        })
+        .collect();
+    gw::TopologyResponse {
+        brokers,
+        cluster_size: to_i32(view.members.len() as u64),
+        partitions_count: to_i32(view.partitions_count.into()),
+        replication_factor: to_i32(view.replication_factor.into()),
+        gateway_version: VERSION.to_string(),
+    }
+}
+
+fn to_i32(n: u64) -> i32 {
+    i32::try_from(n).unwrap_or(i32::MAX)
+}
+
+/// Splits "host:port" (also "http://host:port" and "[::1]:port"); port 0 if absent.
+fn split_host_port(addr: &str) -> (String, i32) {
+    let rest = addr.split_once("://").map_or(addr, |(_, r)| r);
+    let rest = rest.trim_end_matches('/');
+    match rest.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && !port.contains(']') => (
+            host.trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
+            port.parse().unwrap_or(0),
+        ),
+        _ => (rest.to_string(), 0),
+    }
+}
+
+/// Courier's producer service.
+#[derive(Clone)]
+pub struct JobsService(pub Arc<Shared>);
+
+#[tonic::async_trait]
+impl Jobs for JobsService {
+    async fn create_job(
+        &self,
+        request: tonic::Request<v1::CreateJobRequest>,
+    ) -> Result<Response<v1::CreateJobResponse>, Status> {
+        let deadline = self.0.deadline(&request);
+        let r = request.into_inner();
+        let span = tracing::info_span!("CreateJob", job_type = %r.r#type);
+        unary("CreateJob", span, async {
+            let job = convert::create_request(&r).map_err(invalid)?;
+            let (keys, partition) = self.0.create(vec![job], deadline).await?;
+            let key = keys.first().ok_or_else(|| {
+                GatewayError::from(BrokerError::Internal("broker created no job".into()))
+            })?;
+            tracing::debug!(job_key = key.0, "created");
+            Ok(v1::CreateJobResponse {
+                key: key.0,
+                partition_id: to_i32(partition.0.into()),
+            })
+        })
+        .await
+    }
+
+    async fn create_jobs(
+        &self,
+        request: tonic::Request<v1::CreateJobsRequest>,
+    ) -> Result<Response<v1::CreateJobsResponse>, Status> {
+        let deadline = self.0.deadline(&request);
+        let r = request.into_inner();
+        let span = tracing::info_span!("CreateJobs", jobs = r.jobs.len());
+        unary("CreateJobs", span, async {
+            let jobs = create_batch(&r.jobs)?;
+            let (keys, partition) = self.0.create(jobs, deadline).await?;
+            Ok(v1::CreateJobsResponse {
+                keys: keys.into_iter().map(|k| k.0).collect(),
+                partition_id: to_i32(partition.0.into()),
+            })
+        })
+        .await
+    }
+
+    async fn get_job(
+        &self,
+        request: tonic::Request<v1::GetJobRequest>,
+    ) -> Result<Response<v1::GetJobResponse>, Status> {
+        let deadline = self.0.deadline(&request);
+        let r = request.into_inner();
+        let span = tracing::info_span!("GetJob", job_key = r.key);
+        unary("GetJob", span, async {
+            let key = convert::job_key_request(r.key).map_err(invalid)?;
+            match self
+                .0
+                .on_job(key, Request::GetJob { key }, deadline)
+                .await?
+            {
+                Reply::Job(view) => Ok(v1::GetJobResponse {
+                    job: Some(view.into()),
+                }),
+                other => Err(unexpected(&other)),
+            }
+        })
+        .await
+    }
+
+    async fn cancel_job(
+        &self,
+        request: tonic::Request<v1::CancelJobRequest>,
+    ) -> Result<Response<v1::CancelJobResponse>, Status> {
+        let deadline = self.0.deadline(&request);
+        let r = request.into_inner();
+        let span = tracing::info_span!("CancelJob", job_key = r.key);
+        unary("CancelJob", span, async {
+            let command = convert::job_key_request(r.key).map(|key| Command::Cancel { key });
+            self.0.job_command(r.key, command, deadline).await?;
+            Ok(v1::CancelJobResponse {})
+        })
+        .await
+    }
+}
+
+/// Validates a CreateJobs batch; errors name the offending entry.
+fn create_batch(jobs: &[v1::CreateJobRequest]) -> Result<Vec<NewJob>, GatewayError> {
+    if jobs.is_empty() {
+        return Err(invalid("jobs must not be empty"));
+    }
+    if jobs.len() > MAX_BATCH {
+        return Err(invalid(format!(
+            "jobs has {} entries, more than the limit of {MAX_BATCH}",
+            jobs.len()
+        )));
+    }
+    jobs.iter()
+        .enumerate()
+        .map(|(i, j)| convert::create_request(j).map_err(|e| invalid(format!("jobs[{i}]: {e}"))))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topology::{Leader, PartitionReport};
+
+    fn visit(rr: &RoundRobin, count: u32) -> Vec<u32> {
+        rr.order(count).map(|p| p.0).collect()
+    }
+
+    #[test]
+    fn each_visit_starts_one_partition_further() {
+        let rr = RoundRobin::default();
+        assert_eq!(visit(&rr, 3), vec![1, 2, 3]);
+        assert_eq!(visit(&rr, 3), vec![2, 3, 1]);
+        assert_eq!(visit(&rr, 3), vec![3, 1, 2]);
+        assert_eq!(visit(&rr, 3), vec![1, 2, 3]);
+        assert_eq!(visit(&rr, 0), Vec::<u32>::new());
+        assert_eq!(visit(&rr, 1), vec![1]);
+    }
+
+    #[test]
+    fn a_wrapping_counter_still_visits_every_partition_once() {
+        let rr = RoundRobin(AtomicU32::new(u32::MAX - 1));
+        for _ in 0..4 {
+            let mut v = visit(&rr, 3);
+            v.sort();
+            assert_eq!(v, vec![1, 2, 3]);
+        }
+    }
+
+    #[test]
+    fn batches_are_bounded_and_errors_name_the_entry() {
+        let ok = v1::CreateJobRequest {
+            r#type: "t".into(),
+            ..Default::default()
+        };
+        let e = create_batch(&[]).unwrap_err().to_string();
+        assert!(e.contains("jobs must not be empty"), "{e}");
+        let e = create_batch(&vec![ok.clone(); MAX_BATCH + 1])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("10000"), "{e}");
+        assert_eq!(
+            create_batch(&vec![ok.clone(); MAX_BATCH]).unwrap().len(),
+            MAX_BATCH
+        );
+        let bad = v1::CreateJobRequest {
+            r#type: "t".into(),
+            variables: "[]".into(),
+            ..Default::default()
+        };
+        let e = create_batch(&[ok, bad]).unwrap_err();
+        assert!(matches!(e, GatewayError::InvalidArgument(_)));
+        assert!(e.to_string().starts_with("jobs[1]: variables"), "{e}");
+    }
+
+    #[test]
+    fn host_and_port_are_split_from_addresses() {
+        assert_eq!(
+            split_host_port("broker-1:26501"),
+            ("broker-1".into(), 26501)
+        );
+        assert_eq!(split_host_port("http://10.0.0.2:9"), ("10.0.0.2".into(), 9));
+        assert_eq!(split_host_port("[::1]:26501"), ("::1".into(), 26501));
+        assert_eq!(split_host_port("broker-1"), ("broker-1".into(), 0));
+    }
+
+    #[test]
+    fn zeebe_topology_lists_every_member_with_roles_and_health() {
+        let mut view = ClusterView {
+            partitions_count: 2,
+            replication_factor: 2,
+            ..Default::default()
+        };
+        for n in 1..=3u64 {
+            view.members.insert(n, format!("b{n}:2650{n}"));
+        }
+        let report = |p: u32, role: &str| PartitionReport {
+            partition: PartitionId(p),
+            role: role.into(),
+        };
+        view.reports
+            .insert(1, vec![report(1, "leader"), report(2, "candidate")]);
+        view.reports
+            .insert(2, vec![report(1, "follower"), report(2, "follower")]);
+        view.leaders
+            .insert(PartitionId(1), Leader { node: 1, term: 3 });
+        // Broker 3 did not answer.
+        let t = zeebe_topology(&view);
+        assert_eq!(t.cluster_size, 3);
+        assert_eq!(t.partitions_count, 2);
+        assert_eq!(t.replication_factor, 2);
+        assert_eq!(t.gateway_version, VERSION);
+        assert_eq!(t.brokers.len(), 3);
+        let b1 = &t.brokers[0];
+        assert_eq!((b1.node_id, b1.host.as_str(), b1.port), (1, "b1", 26501));
+        use gw::partition::{PartitionBrokerHealth as H, PartitionBrokerRole as R};
+        let parts: Vec<(i32, i32, i32)> = b1
+            .partitions
+            .iter()
+            .map(|p| (p.partition_id, p.role, p.health))
+            .collect();
+        assert_eq!(
+            parts,
+            vec![
+                (1, R::Leader as i32, H::Healthy as i32),
+                (2, R::Inactive as i32, H::Unhealthy as i32)
+            ]
+        );
+        assert_eq!(t.brokers[1].partitions[0].role, R::Follower as i32);
+        assert!(t.brokers[2].partitions.is_empty());
+    }
+}

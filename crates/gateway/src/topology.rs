@@ -1,0 +1,481 @@
+//! The gateway's learned view of the cluster: membership, partition count, who leads
+//! each partition, and one lazily connected channel per broker address.
+//!
+//! The view is rebuilt from every broker's own report on each refresh round, so it
+//! never drifts from what the brokers say for longer than one round. Between rounds,
+//! NotLeader hints from the router patch it, because the broker that refused a request
+//! knows better than a view up to `topology_refresh` old.
+
+use crate::error::GatewayError;
+use courier_proto::cluster::{broker_client::BrokerClient, BrokerTopology, BrokerTopologyRequest};
+use courier_proto::domain::{NodeId, PartitionId};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Mutex, RwLock};
+use std::time::Duration;
+use tokio::sync::{watch, Notify};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+
+/// Bound on one broker's Topology answer; a broker slower than this counts as down
+/// for the round.
+const TOPOLOGY_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+/// Least time between two refresh rounds, so a burst of routing failures asking for
+/// a refresh does not turn into a burst of Topology calls.
+const MIN_REFRESH_GAP: Duration = Duration::from_millis(50);
+/// Bound on establishing a TCP connection to a broker.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// HTTP/2 pings on broker connections, so a dead broker is noticed on an idle link.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Who leads a partition, and in which Raft term the gateway learned it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Leader {
+    /// The leading broker.
+    pub node: NodeId,
+    /// The term of the report that named it; a hint keeps the term it replaced.
+    pub term: u64,
+}
+
+/// One partition as a broker reported it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartitionReport {
+    /// The partition.
+    pub partition: PartitionId,
+    /// The broker's role for it: "leader", "follower", "candidate", "learner", "shutdown".
+    pub role: String,
+}
+
+/// A snapshot of what the gateway knows about the cluster.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClusterView {
+    /// Every broker of the static membership, by id, with its address.
+    pub members: BTreeMap<NodeId, String>,
+    /// Partitions are numbered `1..=partitions_count`; 0 until a broker answered.
+    pub partitions_count: u32,
+    /// Replicas per partition.
+    pub replication_factor: u32,
+    /// The partitions each broker reported in the last round; a broker that did not
+    /// answer has no entry.
+    pub reports: BTreeMap<NodeId, Vec<PartitionReport>>,
+    /// The known leader of each partition.
+    pub leaders: HashMap<PartitionId, Leader>,
+}
+
+impl ClusterView {
+    /// Folds in one refresh round: `answers` are the reports of the brokers that
+    /// replied. Membership only grows (it is static); everything else is replaced.
+    pub fn merge_round(&mut self, answers: &[BrokerTopology]) {
+        self.reports.clear();
+        for a in answers {
+            for b in &a.brokers {
+                self.members.insert(b.node_id, b.addr.clone());
+            }
+            self.partitions_count = self.partitions_count.max(a.partitions_count);
+            self.replication_factor = self.replication_factor.max(a.replication_factor);
+            let parts = a
+                .partitions
+                .iter()
+                .map(|p| PartitionReport {
+                    partition: PartitionId(p.partition_id),
+                    role: p.role.clone(),
+                })
+                .collect();
+            self.reports.insert(a.node_id, parts);
+        }
+        self.leaders = elect(answers);
+    }
+
+    /// Applies a NotLeader answer from broker `from`: its hint becomes the leader at
+    /// once; without a hint, `from` at least stops being the leader.
+    pub fn hint(&mut self, partition: PartitionId, from: NodeId, leader: Option<NodeId>) {
+        match leader {
+            Some(node) if node != from => {
+                let term = self.leaders.get(&partition).map_or(0, |l| l.term);
+                self.leaders.insert(partition, Leader { node, term });
+            }
+            _ => {
+                if self.leaders.get(&partition).is_some_and(|l| l.node == from) {
+                    self.leaders.remove(&partition);
+                }
+            }
+        }
+    }
+}
+
+/// Picks each partition's leader from one round of reports: the broker claiming
+/// leadership in the highest term wins. A follower's view of the leader counts too
+/// (below a claim of the same term): it names a leader the gateway may not have heard
+/// from yet, and a higher term means a stale leader's claim is outdated.
+fn elect(answers: &[BrokerTopology]) -> HashMap<PartitionId, Leader> {
+    // (term, is a claim, node): the tuple order is the preference order.
+    let mut best: HashMap<PartitionId, (u64, bool, NodeId)> = HashMap::new();
+    for a in answers {
+        for p in &a.partitions {
+            let candidate = if p.role == "leader" {
+                (p.term, true, a.node_id)
+            } else if p.leader_id != 0 {
+                (p.term, false, p.leader_id)
+            } else {
+                continue;
+            };
+            let slot = best.entry(PartitionId(p.partition_id)).or_insert(candidate);
+            if candidate > *slot {
+                *slot = candidate;
+            }
+        }
+    }
+    best.into_iter()
+        .map(|(p, (term, _, node))| (p, Leader { node, term }))
+        .collect()
+}
+
+/// The gateway's live topology: the view, the broker channels, and the refresh task.
+pub struct Topology {
+    /// Addresses from the configuration; polled every round besides the members,
+    /// since they may be spelled differently from the members' own addresses.
+    seeds: Vec<String>,
+    view: RwLock<ClusterView>,
+    /// One channel per broker address, reused for Execute, Topology and Link.
+    channels: Mutex<HashMap<String, Channel>>,
+    /// The membership, for the link supervisor to start one link per broker.
+    members: watch::Sender<BTreeMap<NodeId, String>>,
+    /// The partition count, for requests that arrive before the first answer.
+    partitions: watch::Sender<u32>,
+    /// Asks the refresh task for an early round (after a routing failure).
+    refresh_wanted: Notify,
+}
+
+impl Topology {
+    /// A topology that learns the cluster from `seeds` ("host:port" broker addresses).
+    pub fn new(seeds: &[String]) -> Result<Self, GatewayError> {
+        if seeds.is_empty() {
+            return Err(GatewayError::NoBrokers);
+        }
+        for addr in seeds {
+            endpoint(addr).map_err(|reason| GatewayError::BadBrokerAddress {
+                addr: addr.clone(),
+                reason,
+            })?;
+        }
+        Ok(Topology {
+            seeds: seeds.to_vec(),
+            view: RwLock::new(ClusterView::default()),
+            channels: Mutex::new(HashMap::new()),
+            members: watch::Sender::new(BTreeMap::new()),
+            partitions: watch::Sender::new(0),
+            refresh_wanted: Notify::new(),
+        })
+    }
+
+    /// A copy of the current view.
+    pub fn snapshot(&self) -> ClusterView {
+        self.read().clone()
+    }
+
+    /// The partition count, 0 while no broker has answered.
+    pub fn partitions_count(&self) -> u32 {
+        self.read().partitions_count
+    }
+
+    /// Waits until the partition count is known or `until` passes; returns it (0 if
+    /// still unknown).
+    pub async fn wait_for_partitions(&self, until: Instant) -> u32 {
+        let mut rx = self.partitions.subscribe();
+        // A dropped sender or an elapsed wait both leave the count as last seen.
+        let _ = tokio::time::timeout_at(until, rx.wait_for(|c| *c > 0)).await;
+        let count = *rx.borrow();
+        count
+    }
+
+    /// The known leader of `partition`.
+    pub fn leader(&self, partition: PartitionId) -> Option<NodeId> {
+        self.read().leaders.get(&partition).map(|l| l.node)
+    }
+
+    /// Applies a NotLeader answer (see [`ClusterView::hint`]).
+    pub fn hint(&self, partition: PartitionId, from: NodeId, leader: Option<NodeId>) {
+        self.write().hint(partition, from, leader);
+    }
+
+    /// Asks for a refresh round soon, paced by [`MIN_REFRESH_GAP`].
+    pub fn request_refresh(&self) {
+        self.refresh_wanted.notify_one();
+    }
+
+    /// The membership, updated whenever a broker is learned.
+    pub fn members(&self) -> watch::Receiver<BTreeMap<NodeId, String>> {
+        self.members.subscribe()
+    }
+
+    /// The channel to broker `node`, if its address is known.
+    pub fn node_channel(&self, node: NodeId) -> Option<Channel> {
+        let addr = self.read().members.get(&node).cloned()?;
+        self.channel(&addr)
+    }
+
+    /// The channel to `addr`, created (not connected) on first use.
+    pub fn channel(&self, addr: &str) -> Option<Channel> {
+        let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = channels.get(addr) {
+            return Some(c.clone());
+        }
+        match endpoint(addr) {
+            Ok(e) => {
+                let c = e.connect_lazy();
+                channels.insert(addr.to_string(), c.clone());
+                Some(c)
+            }
+            Err(reason) => {
+                tracing::warn!(addr, reason, "ignoring unusable broker address");
+                None
+            }
+        }
+    }
+
+    /// Refreshes every `every` (or sooner when asked) until `shutdown`.
+    pub async fn run(&self, every: Duration, shutdown: CancellationToken) {
+        loop {
+            let started = Instant::now();
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = self.refresh() => {}
+            }
+            let early = async {
+                self.refresh_wanted.notified().await;
+                tokio::time::sleep_until(started + MIN_REFRESH_GAP).await;
+            };
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep_until(started + every) => {}
+                _ = early => {}
+            }
+        }
+    }
+
+    /// One round: polls the seeds and every member, then any broker first learned from
+    /// those answers, and folds the answers into the view.
+    pub async fn refresh(&self) {
+        let mut polled: HashSet<String> = HashSet::new();
+        let mut answers: Vec<BrokerTopology> = Vec::new();
+        let mut known: HashSet<String> = self.read().members.values().cloned().collect();
+        known.extend(self.seeds.iter().cloned());
+        loop {
+            let round: Vec<String> = known.difference(&polled).cloned().collect();
+            if round.is_empty() {
+                break;
+            }
+            let replies = futures::future::join_all(round.iter().map(|a| self.poll(a))).await;
+            polled.extend(round);
+            for reply in replies.into_iter().flatten() {
+                known.extend(reply.brokers.iter().map(|b| b.addr.clone()));
+                answers.push(reply);
+            }
+        }
+        self.apply(&answers);
+    }
+
+    async fn poll(&self, addr: &str) -> Option<BrokerTopology> {
+        let channel = self.channel(addr)?;
+        let mut req = tonic::Request::new(BrokerTopologyRequest {});
+        req.set_timeout(TOPOLOGY_CALL_TIMEOUT);
+        let mut client = BrokerClient::new(channel);
+        let call = client.topology(req);
+        match tokio::time::timeout(TOPOLOGY_CALL_TIMEOUT, call).await {
+            Ok(Ok(r)) => Some(r.into_inner()),
+            Ok(Err(status)) => {
+                tracing::debug!(addr, %status, "broker did not answer Topology");
+                None
+            }
+            Err(_) => {
+                tracing::debug!(addr, "broker Topology timed out");
+                None
+            }
+        }
+    }
+
+    fn apply(&self, answers: &[BrokerTopology]) {
+        let (members, count) = {
+            let mut view = self.write();
+            let before = view.leaders.clone();
+            view.merge_round(answers);
+            for (p, l) in &view.leaders {
+                if before.get(p).map(|b| b.node) != Some(l.node) {
+                    tracing::info!(
+                        partition = p.0,
+                        leader = l.node,
+                        term = l.term,
+                        "leader changed"
+                    );
+                }
+            }
+            (view.members.clone(), view.partitions_count)
+        };
+        self.members.send_if_modified(|m| {
+            let changed = *m != members;
+            *m = members;
+            changed
+        });
+        self.partitions.send_if_modified(|c| {
+            let changed = *c != count;
+            *c = count;
+            changed
+        });
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, ClusterView> {
+        // The view is replaced whole under the lock, so a poisoned one is still usable.
+        self.view.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, ClusterView> {
+        self.view.write().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The endpoint for a broker address, "host:port" or a full URI.
+fn endpoint(addr: &str) -> Result<Endpoint, String> {
+    let uri = if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    };
+    let e = Endpoint::from_shared(uri).map_err(|e| e.to_string())?;
+    if e.uri().port_u16().is_none() {
+        return Err("no port given".to_string());
+    }
+    Ok(e.tcp_nodelay(true)
+        .connect_timeout(CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use courier_proto::cluster::{BrokerAddress, PartitionStatus};
+
+    fn status(p: u32, role: &str, leader_id: u64, term: u64) -> PartitionStatus {
+        PartitionStatus {
+            partition_id: p,
+            role: role.into(),
+            leader_id,
+            term,
+            last_applied: 0,
+        }
+    }
+
+    fn answer(node: NodeId, parts: Vec<PartitionStatus>) -> BrokerTopology {
+        BrokerTopology {
+            node_id: node,
+            brokers: (1..=3)
+                .map(|n| BrokerAddress {
+                    node_id: n,
+                    addr: format!("b{n}:26501"),
+                })
+                .collect(),
+            partitions_count: 2,
+            replication_factor: 3,
+            partitions: parts,
+            version: "0.1.0".into(),
+        }
+    }
+
+    fn leader_of(v: &ClusterView, p: u32) -> Option<NodeId> {
+        v.leaders.get(&PartitionId(p)).map(|l| l.node)
+    }
+
+    #[test]
+    fn any_answer_teaches_the_whole_membership() {
+        let mut v = ClusterView::default();
+        v.merge_round(&[answer(2, vec![])]);
+        assert_eq!(v.members.len(), 3);
+        assert_eq!(v.members.get(&3).map(String::as_str), Some("b3:26501"));
+        assert_eq!(v.partitions_count, 2);
+        assert_eq!(v.replication_factor, 3);
+    }
+
+    #[test]
+    fn the_claim_with_the_highest_term_wins() {
+        let mut v = ClusterView::default();
+        // Broker 1 is a deposed leader that has not noticed yet.
+        v.merge_round(&[
+            answer(1, vec![status(1, "leader", 1, 4)]),
+            answer(2, vec![status(1, "leader", 2, 5)]),
+            answer(3, vec![status(1, "follower", 2, 5)]),
+        ]);
+        assert_eq!(leader_of(&v, 1), Some(2));
+        assert_eq!(v.leaders[&PartitionId(1)].term, 5);
+    }
+
+    #[test]
+    fn a_follower_names_the_leader_when_the_leader_is_silent() {
+        let mut v = ClusterView::default();
+        v.merge_round(&[
+            answer(1, vec![status(1, "leader", 1, 4)]),
+            answer(
+                3,
+                vec![status(1, "follower", 2, 5), status(2, "candidate", 0, 7)],
+            ),
+        ]);
+        assert_eq!(leader_of(&v, 1), Some(2));
+        // A candidate names no leader: partition 2 has none.
+        assert_eq!(leader_of(&v, 2), None);
+    }
+
+    #[test]
+    fn a_claim_beats_a_follower_view_of_the_same_term() {
+        let mut v = ClusterView::default();
+        v.merge_round(&[
+            answer(1, vec![status(1, "follower", 3, 5)]),
+            answer(2, vec![status(1, "leader", 2, 5)]),
+        ]);
+        assert_eq!(leader_of(&v, 1), Some(2));
+    }
+
+    #[test]
+    fn a_broker_that_stops_answering_loses_its_partitions_and_leadership() {
+        let mut v = ClusterView::default();
+        v.merge_round(&[
+            answer(1, vec![status(1, "leader", 1, 4)]),
+            answer(2, vec![status(1, "follower", 1, 4)]),
+        ]);
+        assert_eq!(leader_of(&v, 1), Some(1));
+        v.merge_round(&[answer(2, vec![status(1, "candidate", 0, 5)])]);
+        assert_eq!(leader_of(&v, 1), None);
+        assert!(!v.reports.contains_key(&1));
+        assert_eq!(v.members.len(), 3, "membership is static");
+    }
+
+    #[test]
+    fn hints_apply_at_once_and_only_unseat_the_broker_that_refused() {
+        let mut v = ClusterView::default();
+        v.merge_round(&[answer(1, vec![status(1, "leader", 1, 4)])]);
+        v.hint(PartitionId(1), 1, Some(3));
+        assert_eq!(leader_of(&v, 1), Some(3));
+        assert_eq!(v.leaders[&PartitionId(1)].term, 4);
+        // A stale refusal from broker 1 must not unseat broker 3.
+        v.hint(PartitionId(1), 1, None);
+        assert_eq!(leader_of(&v, 1), Some(3));
+        v.hint(PartitionId(1), 3, None);
+        assert_eq!(leader_of(&v, 1), None);
+        // A hint for a partition with no known leader installs it.
+        v.hint(PartitionId(2), 1, Some(2));
+        assert_eq!(leader_of(&v, 2), Some(2));
+    }
+
+    #[test]
+    fn addresses_are_checked() {
+        assert!(endpoint("127.0.0.1:26501").is_ok());
+        assert!(endpoint("http://broker-1:26501").is_ok());
+        assert!(endpoint("broker-1").is_err());
+        assert!(endpoint("not an address").is_err());
+        assert!(matches!(Topology::new(&[]), Err(GatewayError::NoBrokers)));
+        assert!(matches!(
+            Topology::new(&["x y".into()]),
+            Err(GatewayError::BadBrokerAddress { .. })
+        ));
+    }
+}

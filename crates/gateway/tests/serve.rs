@@ -1,0 +1,151 @@
+//! The gateway served over real TCP with no broker reachable: what it answers on its
+//! own (validation, topology, long-poll ends) and that it shuts down cleanly. Routing
+//! to real brokers is tested by the cluster tests in the workspace's `tests/`.
+
+// Helpers outside #[test] fns are not covered by clippy.toml's allow-unwrap-in-tests.
+#![allow(clippy::unwrap_used)]
+
+use courier_gateway::{serve, GatewayConfig};
+use courier_proto::courier_v1 as v1;
+use courier_proto::courier_v1::jobs_client::JobsClient;
+use courier_proto::gateway_protocol as gw;
+use courier_proto::gateway_protocol::gateway_client::GatewayClient;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+use tonic::Code;
+
+async fn dead_address() -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+async fn start() -> (
+    Channel,
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), courier_gateway::GatewayError>>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = GatewayConfig {
+        brokers: vec![dead_address().await],
+        default_request_timeout: Duration::from_millis(400),
+        topology_refresh: Duration::from_millis(50),
+        ..Default::default()
+    };
+    let token = CancellationToken::new();
+    let server = tokio::spawn(serve(config, listener, token.clone()));
+    let channel = Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    (channel, token, server)
+}
+
+fn activate(request_timeout: i64) -> gw::ActivateJobsRequest {
+    gw::ActivateJobsRequest {
+        r#type: "t".into(),
+        worker: "w".into(),
+        timeout: 1000,
+        max_jobs_to_activate: 5,
+        request_timeout,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn answers_what_it_can_without_brokers() {
+    let (channel, token, server) = start().await;
+    let mut gateway = GatewayClient::new(channel.clone());
+    let mut jobs = JobsClient::new(channel);
+
+    let t = gateway
+        .topology(gw::TopologyRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(t.brokers.is_empty());
+    assert_eq!(t.gateway_version, env!("CARGO_PKG_VERSION"));
+
+    let e = gateway
+        .complete_job(gw::CompleteJobRequest {
+            job_key: 5,
+            variables: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().contains("job key"), "{e:?}");
+
+    let mut bad = activate(-1);
+    bad.worker = " ".into();
+    let e = gateway.activate_jobs(bad).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().contains("worker"), "{e:?}");
+
+    // No long polling: the stream ends at once, without a message.
+    let start = Instant::now();
+    let mut s = gateway
+        .activate_jobs(activate(-1))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(s.message().await.unwrap().is_none());
+    assert!(start.elapsed() < Duration::from_millis(300));
+
+    // A long poll ends cleanly at its requestTimeout.
+    let start = Instant::now();
+    let mut s = gateway
+        .activate_jobs(activate(150))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(s.message().await.unwrap().is_none());
+    assert!(start.elapsed() >= Duration::from_millis(150));
+
+    let e = gateway
+        .stream_activated_jobs(gw::StreamActivatedJobsRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unimplemented);
+
+    let e = jobs
+        .create_jobs(v1::CreateJobsRequest { jobs: vec![] })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+
+    // Nothing to route to: UNAVAILABLE once the request's deadline is spent.
+    let e = jobs
+        .create_job(v1::CreateJobRequest {
+            r#type: "t".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+
+    token.cancel();
+    let stopped = tokio::time::timeout(Duration::from_secs(5), server).await;
+    assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
+}
+
+#[tokio::test]
+async fn shutdown_ends_parked_long_polls() {
+    let (channel, token, server) = start().await;
+    let mut gateway = GatewayClient::new(channel);
+    let mut request = tonic::Request::new(activate(60_000));
+    request.set_timeout(Duration::from_secs(60));
+    let poll = tokio::spawn(async move {
+        let mut s = gateway.activate_jobs(request).await?.into_inner();
+        s.message().await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!poll.is_finished(), "the poll must be parked");
+    token.cancel();
+    let ended = tokio::time::timeout(Duration::from_secs(5), poll).await;
+    assert!(matches!(ended, Ok(Ok(Ok(None)))), "{ended:?}");
+    let stopped = tokio::time::timeout(Duration::from_secs(5), server).await;
+    assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
+}
