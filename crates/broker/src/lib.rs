@@ -142,7 +142,7 @@ pub async fn run(
     let server = tokio::spawn(server);
 
     for part in partitions.values() {
-        initialize(&config, part).await;
+        tasks.spawn(initialize(config.clone(), part.clone(), shutdown.clone()));
         tasks.spawn(track_leadership(part.clone(), shutdown.clone()));
     }
     tracing::info!(
@@ -170,24 +170,42 @@ pub async fn run(
     Ok(())
 }
 
-/// Initializes a partition's membership once: every replica may try, and all but the
-/// first are refused harmlessly, so a cluster starts whichever broker comes up first.
-async fn initialize(config: &BrokerConfig, part: &Partition) {
+/// Initializes a partition's membership once. The first replica does it at once;
+/// the others wait (longer the later they are placed) and only act if still nothing
+/// reached them, so a cluster forms even when the first replica's broker is down,
+/// without replicas racing each other in the normal case.
+async fn initialize(config: Arc<BrokerConfig>, part: Arc<Partition>, shutdown: CancellationToken) {
+    let replicas = config.replicas(part.id.0);
+    let rank = replicas
+        .iter()
+        .position(|id| *id == config.node_id)
+        .unwrap_or(0) as u64;
+    if rank > 0 {
+        let wait = Duration::from_millis(rank * 3 * config.raft.election_timeout_max_ms);
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
     match part.raft.is_initialized().await {
-        Ok(true) => return,
         Ok(false) => {}
+        Ok(true) => return,
         Err(e) => {
             tracing::warn!(partition = part.id.0, error = %e, "cannot read raft state");
             return;
         }
     }
-    let members: BTreeMap<u64, BasicNode> = config
-        .replicas(part.id.0)
+    // Someone else's vote request or entries may be on the way: a voted replica has
+    // been contacted, and initializing now would only be refused.
+    if part.raft.metrics().borrow().vote.leader_id().term > 0 {
+        return;
+    }
+    let members: BTreeMap<u64, BasicNode> = replicas
         .into_iter()
         .filter_map(|id| config.brokers.get(&id).map(|a| (id, BasicNode::new(a))))
         .collect();
     match part.raft.initialize(members).await {
-        Ok(()) => {}
+        Ok(()) => tracing::info!(partition = part.id.0, "partition membership initialized"),
         Err(RaftError::APIError(InitializeError::NotAllowed(_))) => {}
         Err(e) => tracing::warn!(partition = part.id.0, error = %e, "initialize failed"),
     }

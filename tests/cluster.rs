@@ -1,0 +1,458 @@
+//! Cluster tests: 3 brokers (replication factor 3, 3 partitions) and a gateway, each a
+//! real `courier` process on loopback, driven through the Rust client over gRPC.
+
+mod common;
+
+use common::{serial, wait_until, Cluster, ClusterOpts};
+use courier_client::{ActivateJobs, Client, JobState, NewJob};
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tonic::Code;
+
+fn poll(job_type: &str, max: i32) -> ActivateJobs {
+    ActivateJobs::new(job_type)
+        .worker("cluster-test")
+        .max_jobs(max)
+        .timeout(Duration::from_secs(60))
+        .request_timeout(Duration::from_secs(2))
+}
+
+/// Activates until `n` jobs were handed out or `within` passes.
+async fn activate_n(c: &Client, req: ActivateJobs, n: usize, within: Duration) -> Vec<i64> {
+    let mut keys = Vec::new();
+    let deadline = Instant::now() + within;
+    while keys.len() < n && Instant::now() < deadline {
+        let jobs = c.activate_jobs(req.clone()).await.expect("activate");
+        keys.extend(jobs.iter().map(|j| j.key));
+    }
+    keys
+}
+
+async fn state_of(c: &Client, key: i64) -> Result<JobState, Code> {
+    match c.get_job(key).await {
+        Ok(j) => Ok(JobState::try_from(j.state).unwrap_or(JobState::Unspecified)),
+        Err(e) => Err(e.code().unwrap_or(Code::Unknown)),
+    }
+}
+
+async fn lifecycle_of_many_jobs(opts: ClusterOpts, n: usize) {
+    let cluster = Cluster::start(opts).await;
+    let c = cluster.client();
+
+    // Half one at a time (round-robin over partitions), half in batches.
+    let mut created = BTreeSet::new();
+    for i in 0..n / 2 {
+        let r = c
+            .create_job(NewJob::new("bulk").variables(format!("{{\"i\":{i}}}").as_str()))
+            .await
+            .expect("create");
+        created.insert(r.key);
+    }
+    for chunk in (n / 2..n).collect::<Vec<_>>().chunks(100) {
+        let keys = c
+            .create_jobs(
+                chunk
+                    .iter()
+                    .map(|i| NewJob::new("bulk").variables(format!("{{\"i\":{i}}}").as_str())),
+            )
+            .await
+            .expect("create batch");
+        created.extend(keys);
+    }
+    assert_eq!(created.len(), n, "every created job has its own key");
+    let partitions: BTreeSet<i64> = created.iter().map(|k| k >> 51).collect();
+    assert_eq!(partitions.len(), 3, "jobs spread over all partitions");
+
+    let activated = activate_n(&c, poll("bulk", 100), n, Duration::from_secs(60)).await;
+    let activated_set: BTreeSet<i64> = activated.iter().copied().collect();
+    assert_eq!(activated.len(), n, "each job activated exactly once");
+    assert_eq!(activated_set, created);
+
+    for k in &activated {
+        c.complete_job(*k, "").await.expect("complete");
+    }
+    // None left: nothing to activate, every key gone.
+    let left = c
+        .activate_jobs(poll("bulk", 100).request_timeout(Duration::ZERO))
+        .await
+        .expect("activate");
+    assert!(left.is_empty(), "jobs left after completing all: {left:?}");
+    for k in created.iter().step_by(97) {
+        assert_eq!(state_of(&c, *k).await, Err(Code::NotFound));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_jobs_are_created_activated_and_completed() {
+    let _g = serial();
+    lifecycle_of_many_jobs(ClusterOpts::default(), 1000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replicated_durability_mode_runs_the_same_lifecycle() {
+    let _g = serial();
+    lifecycle_of_many_jobs(
+        ClusterOpts {
+            durability: "replicated",
+            ..ClusterOpts::default()
+        },
+        300,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_activation_that_times_out_is_activated_again() {
+    let _g = serial();
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let key = c.create_job(NewJob::new("slow")).await.expect("create").key;
+    let first = c
+        .activate_jobs(poll("slow", 1).timeout(Duration::from_millis(700)))
+        .await
+        .expect("activate");
+    assert_eq!(first.iter().map(|j| j.key).collect::<Vec<_>>(), vec![key]);
+    let activated_at = Instant::now();
+    assert_eq!(state_of(&c, key).await, Ok(JobState::Activated));
+
+    // A long poll parked now is woken when the deadline passes and the job is runnable.
+    let again = activate_n(&c, poll("slow", 1), 1, Duration::from_secs(10)).await;
+    assert_eq!(again, vec![key]);
+    assert!(
+        activated_at.elapsed() >= Duration::from_millis(600),
+        "re-activated before its deadline: {:?}",
+        activated_at.elapsed()
+    );
+    // The first worker's late completion is refused: its activation is gone... but the
+    // job is activated again, so completing it works for whoever holds it.
+    c.complete_job(key, "").await.expect("complete");
+    assert_eq!(state_of(&c, key).await, Err(Code::NotFound));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_job_waits_for_its_back_off_then_runs_again() {
+    let _g = serial();
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let key = c
+        .create_job(NewJob::new("flaky"))
+        .await
+        .expect("create")
+        .key;
+    activate_n(&c, poll("flaky", 1), 1, Duration::from_secs(5)).await;
+    c.fail_job(key, 2, "try later", Duration::from_millis(1500))
+        .await
+        .expect("fail");
+    let failed_at = Instant::now();
+    let job = c.get_job(key).await.expect("get");
+    assert_eq!(job.state, JobState::FailedBackOff as i32);
+    assert_eq!(job.retries, 2);
+    assert_eq!(job.error_message, "try later");
+    let now = c
+        .activate_jobs(poll("flaky", 1).request_timeout(Duration::ZERO))
+        .await
+        .expect("activate");
+    assert!(now.is_empty(), "activated during its back-off");
+
+    let later = activate_n(&c, poll("flaky", 1), 1, Duration::from_secs(10)).await;
+    assert_eq!(later, vec![key]);
+    assert!(
+        failed_at.elapsed() >= Duration::from_millis(1400),
+        "{:?}",
+        failed_at.elapsed()
+    );
+    assert_eq!(c.get_job(key).await.expect("get").retries, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_out_of_retries_is_an_incident_until_its_retries_are_updated() {
+    let _g = serial();
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let key = c
+        .create_job(NewJob::new("doomed"))
+        .await
+        .expect("create")
+        .key;
+    activate_n(&c, poll("doomed", 1), 1, Duration::from_secs(5)).await;
+    c.fail_job(key, 0, "no more", Duration::ZERO)
+        .await
+        .expect("fail");
+    assert_eq!(state_of(&c, key).await, Ok(JobState::Incident));
+    let none = c
+        .activate_jobs(poll("doomed", 1).request_timeout(Duration::ZERO))
+        .await
+        .expect("activate");
+    assert!(none.is_empty());
+    let err = c.complete_job(key, "").await.expect_err("not activated");
+    assert_eq!(err.code(), Some(Code::FailedPrecondition));
+    let err = c.update_job_retries(key, 0).await.expect_err("retries < 1");
+    assert_eq!(err.code(), Some(Code::InvalidArgument));
+
+    c.update_job_retries(key, 1).await.expect("update retries");
+    let again = activate_n(&c, poll("doomed", 1), 1, Duration::from_secs(5)).await;
+    assert_eq!(again, vec![key]);
+    c.complete_job(key, "").await.expect("complete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_leader_mid_load_loses_no_acknowledged_job() {
+    let _g = serial();
+    let mut cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let acked = Arc::new(Mutex::new(Vec::<i64>::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut producers = Vec::new();
+    for w in 0..4 {
+        let (c, acked, stop) = (c.clone(), acked.clone(), stop.clone());
+        producers.push(tokio::spawn(async move {
+            let mut i = 0u64;
+            let mut errors = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let job =
+                    NewJob::new("survivor").variables(format!("{{\"w\":{w},\"i\":{i}}}").as_str());
+                match c.create_job(job).await {
+                    Ok(r) => acked.lock().expect("lock").push(r.key),
+                    // Not acknowledged: allowed to be lost, retried by real producers.
+                    Err(_) => errors += 1,
+                }
+            }
+            errors
+        }));
+    }
+    wait_until(
+        Duration::from_secs(10),
+        "some jobs are acknowledged",
+        || async { acked.lock().expect("lock").len() > 200 },
+    )
+    .await;
+
+    let leaders = cluster.leaders().await;
+    let victim = leaders[&1];
+    cluster.kill_broker(victim);
+    let killed_at = Instant::now();
+    wait_until(
+        Duration::from_secs(5),
+        "partition 1 has a new leader",
+        || async {
+            cluster
+                .leaders()
+                .await
+                .get(&1)
+                .is_some_and(|l| *l != victim)
+        },
+    )
+    .await;
+    let failover = killed_at.elapsed();
+    let before = acked.lock().expect("lock").len();
+    wait_until(Duration::from_secs(10), "creates succeed again", || async {
+        acked.lock().expect("lock").len() > before + 100
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for p in producers {
+        p.await.expect("producer");
+    }
+    eprintln!("new leader of partition 1 after {failover:?}");
+    assert!(
+        failover < Duration::from_secs(3),
+        "failover took {failover:?}"
+    );
+
+    // Every acknowledged job exists exactly once, on the surviving majority.
+    let keys = acked.lock().expect("lock").clone();
+    let unique: BTreeSet<i64> = keys.iter().copied().collect();
+    assert_eq!(unique.len(), keys.len(), "a key was acknowledged twice");
+    let c = cluster.client();
+    for k in &keys {
+        assert_eq!(
+            state_of(&c, *k).await,
+            Ok(JobState::Activatable),
+            "acknowledged job {k} lost"
+        );
+    }
+    // And each is activated exactly once: no duplicates in state.
+    let activated = activate_n(
+        &c,
+        poll("survivor", 500),
+        keys.len(),
+        Duration::from_secs(60),
+    )
+    .await;
+    let activated_set: BTreeSet<i64> = activated.iter().copied().collect();
+    assert_eq!(
+        activated_set.len(),
+        activated.len(),
+        "a job was handed out twice"
+    );
+    assert!(
+        unique.is_subset(&activated_set),
+        "acknowledged jobs missing from activation"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_broker_catches_up_through_a_snapshot() {
+    let _g = serial();
+    let mut cluster = Cluster::start(ClusterOpts {
+        snapshot_every: 20,
+        keep_after_snapshot: 0,
+        ..ClusterOpts::default()
+    })
+    .await;
+    let c = cluster.client();
+    // Keep broker 3 out while the others write, snapshot and purge their logs.
+    assert!(
+        cluster.terminate_broker(3, Duration::from_secs(10)),
+        "broker 3 stops cleanly"
+    );
+    cluster.wait_for_leaders(Duration::from_secs(10)).await;
+    let mut keys = Vec::new();
+    for _ in 0..300 {
+        keys.push(
+            c.create_job(NewJob::new("later"))
+                .await
+                .expect("create")
+                .key,
+        );
+    }
+    let snapshots = cluster.data_dir(3).join("snapshots");
+    let before: BTreeSet<_> = std::fs::read_dir(&snapshots)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+
+    cluster.start_broker(3);
+    // Caught up: broker 3 has applied, for every partition, as far as the leader.
+    wait_until(Duration::from_secs(20), "broker 3 caught up", || async {
+        let (Some(me), leaders) = (cluster.broker_topology(3).await, cluster.leaders().await)
+        else {
+            return false;
+        };
+        let mut ok = me.partitions.len() == 3;
+        for p in &me.partitions {
+            let Some(l) = leaders.get(&p.partition_id) else {
+                return false;
+            };
+            let Some(lt) = cluster.broker_topology(*l).await else {
+                return false;
+            };
+            let leader_applied = lt
+                .partitions
+                .iter()
+                .find(|x| x.partition_id == p.partition_id)
+                .map(|x| x.last_applied)
+                .unwrap_or(u64::MAX);
+            ok &= p.last_applied >= leader_applied;
+        }
+        ok
+    })
+    .await;
+    let after: BTreeSet<_> = std::fs::read_dir(&snapshots)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    // Broker 3 stopped after a handful of entries, too few to build a snapshot; the
+    // leaders purged everything behind theirs, so only an installed snapshot explains
+    // one file per partition now.
+    assert!(
+        before.is_empty(),
+        "broker 3 had snapshots before it stopped: {before:?}"
+    );
+    assert_eq!(
+        after.len(),
+        3,
+        "broker 3 installed a snapshot of every partition: {after:?}"
+    );
+
+    // Broker 3's copy is real: with broker 1 gone it is needed for a majority.
+    cluster.kill_broker(1);
+    cluster.wait_for_leaders(Duration::from_secs(10)).await;
+    for k in keys.iter().step_by(7) {
+        assert_eq!(state_of(&c, *k).await, Ok(JobState::Activatable), "job {k}");
+    }
+    let n = activate_n(&c, poll("later", 100), keys.len(), Duration::from_secs(30)).await;
+    assert_eq!(n.len(), keys.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_the_status_zeebe_clients_expect() {
+    let _g = serial();
+    let cluster = Cluster::start(ClusterOpts {
+        brokers: 1,
+        partitions: 2,
+        replication_factor: 1,
+        ..ClusterOpts::default()
+    })
+    .await;
+    let c = cluster.client();
+    fn code<T>(r: Result<T, courier_client::ClientError>) -> Option<Code> {
+        r.err().and_then(|e| e.code())
+    }
+    assert_eq!(
+        code(c.create_job(NewJob::new(" ")).await),
+        Some(Code::InvalidArgument)
+    );
+    assert_eq!(
+        code(c.create_job(NewJob::new("t").variables("[1,2]")).await),
+        Some(Code::InvalidArgument)
+    );
+    let big = format!("{{\"x\":\"{}\"}}", "a".repeat(4 * 1024 * 1024));
+    assert_eq!(
+        code(c.create_job(NewJob::new("t").variables(big.as_str())).await),
+        Some(Code::InvalidArgument)
+    );
+    assert_eq!(
+        code(c.create_job(NewJob::new("t").tenant_id("bad tenant")).await),
+        Some(Code::InvalidArgument)
+    );
+    assert_eq!(
+        code(c.activate_jobs(ActivateJobs::new("t").max_jobs(0)).await),
+        Some(Code::InvalidArgument)
+    );
+    assert_eq!(
+        code(
+            c.activate_jobs(ActivateJobs::new("t").timeout(Duration::ZERO))
+                .await
+        ),
+        Some(Code::InvalidArgument)
+    );
+    let key = c.create_job(NewJob::new("t")).await.expect("create").key;
+    assert_eq!(
+        code(c.complete_job(key, "").await),
+        Some(Code::FailedPrecondition)
+    );
+    assert_eq!(
+        code(c.complete_job(key, "\"x\"").await),
+        Some(Code::InvalidArgument)
+    );
+    assert_eq!(
+        code(c.complete_job(key + 1000, "").await),
+        Some(Code::NotFound)
+    );
+    assert_eq!(
+        code(c.update_job_retries(key, 0).await),
+        Some(Code::InvalidArgument)
+    );
+    // Nothing panicked: the gateway still serves.
+    c.topology().await.expect("topology");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brokers_and_the_gateway_stop_cleanly_on_sigterm() {
+    let _g = serial();
+    let mut cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    c.create_job(NewJob::new("t")).await.expect("create");
+    assert!(
+        cluster.terminate_gateway(Duration::from_secs(10)),
+        "gateway exit status"
+    );
+    for id in 1..=3 {
+        assert!(
+            cluster.terminate_broker(id, Duration::from_secs(10)),
+            "broker {id} exit status"
+        );
+    }
+}

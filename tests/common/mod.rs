@@ -1,0 +1,357 @@
+//! Harness for cluster tests: real `courier broker` and `courier gateway` processes
+//! on loopback ports, each with its own data directory and log file.
+//!
+//! Tests wait for conditions (a leader, a job state) with a deadline, never a fixed
+//! sleep. Clusters of different tests never overlap: each test holds [`serial`].
+
+#![allow(dead_code)]
+
+use courier_client::Client;
+use courier_proto::cluster::{broker_client::BrokerClient, BrokerTopology, BrokerTopologyRequest};
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The `courier` binary built for these tests.
+pub fn courier_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_courier")
+}
+
+/// One cluster test at a time: a 2-core machine cannot run several clusters at once
+/// and still meet their deadlines.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A free loopback port (bound, then released for the process to take).
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    l.local_addr().expect("local addr").port()
+}
+
+/// How a test cluster is set up.
+#[derive(Clone, Debug)]
+pub struct ClusterOpts {
+    pub brokers: u64,
+    pub partitions: u32,
+    pub replication_factor: u32,
+    pub durability: &'static str,
+    pub snapshot_every: u64,
+    pub keep_after_snapshot: u64,
+}
+
+impl Default for ClusterOpts {
+    fn default() -> Self {
+        ClusterOpts {
+            brokers: 3,
+            partitions: 3,
+            replication_factor: 3,
+            durability: "fsync",
+            snapshot_every: 20_000,
+            keep_after_snapshot: 1000,
+        }
+    }
+}
+
+struct Proc {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn spawn(args: &[String], log: PathBuf) -> Proc {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("open log file");
+        let err = out.try_clone().expect("clone log file");
+        let child = Command::new(courier_bin())
+            .args(args)
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .expect("start courier");
+        Proc {
+            child: Some(child),
+            log,
+        }
+    }
+
+    /// SIGKILL: a crash, not a shutdown.
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait: a clean shutdown; returns whether it exited successfully.
+    fn terminate(&mut self, within: Duration) -> bool {
+        let Some(mut c) = self.child.take() else {
+            return false;
+        };
+        let _ = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status();
+        let deadline = Instant::now() + within;
+        loop {
+            match c.try_wait() {
+                Ok(Some(status)) => return status.success(),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                _ => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    return false;
+                }
+            }
+        }
+    }
+}
+
+/// A running cluster: brokers and one gateway, each a real process.
+pub struct Cluster {
+    pub opts: ClusterOpts,
+    pub dir: tempfile::TempDir,
+    pub broker_addrs: BTreeMap<u64, String>,
+    brokers: BTreeMap<u64, Proc>,
+    gateway: Option<Proc>,
+    pub gateway_addr: String,
+}
+
+impl Cluster {
+    /// Starts every broker and the gateway, and waits until every partition has a leader.
+    pub async fn start(opts: ClusterOpts) -> Cluster {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let broker_addrs: BTreeMap<u64, String> = (1..=opts.brokers)
+            .map(|id| (id, format!("127.0.0.1:{}", free_port())))
+            .collect();
+        let mut c = Cluster {
+            opts,
+            dir,
+            broker_addrs,
+            brokers: BTreeMap::new(),
+            gateway: None,
+            gateway_addr: format!("127.0.0.1:{}", free_port()),
+        };
+        for id in 1..=c.opts.brokers {
+            c.start_broker(id);
+        }
+        c.start_gateway();
+        c.wait_for_leaders(Duration::from_secs(20)).await;
+        c
+    }
+
+    fn peers(&self) -> String {
+        self.broker_addrs
+            .iter()
+            .map(|(id, a)| format!("{id}={a}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    pub fn data_dir(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("broker-{id}"))
+    }
+
+    /// Starts (or restarts) broker `id` with its data directory.
+    pub fn start_broker(&mut self, id: u64) {
+        let args = vec![
+            "broker".to_string(),
+            "--node-id".into(),
+            id.to_string(),
+            "--addr".into(),
+            self.broker_addrs[&id].clone(),
+            "--peers".into(),
+            self.peers(),
+            "--partitions".into(),
+            self.opts.partitions.to_string(),
+            "--replication-factor".into(),
+            self.opts.replication_factor.to_string(),
+            "--data-dir".into(),
+            self.data_dir(id).display().to_string(),
+            "--durability".into(),
+            self.opts.durability.into(),
+            "--snapshot-every".into(),
+            self.opts.snapshot_every.to_string(),
+            "--keep-after-snapshot".into(),
+            self.opts.keep_after_snapshot.to_string(),
+        ];
+        let log = self.dir.path().join(format!("broker-{id}.log"));
+        self.brokers.insert(id, Proc::spawn(&args, log));
+    }
+
+    pub fn start_gateway(&mut self) {
+        let args = vec![
+            "gateway".to_string(),
+            "--addr".into(),
+            self.gateway_addr.clone(),
+            "--brokers".into(),
+            self.broker_addrs
+                .values()
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(","),
+        ];
+        let log = self.dir.path().join("gateway.log");
+        self.gateway = Some(Proc::spawn(&args, log));
+    }
+
+    pub fn kill_broker(&mut self, id: u64) {
+        if let Some(p) = self.brokers.get_mut(&id) {
+            p.kill();
+        }
+    }
+
+    pub fn kill_gateway(&mut self) {
+        if let Some(p) = self.gateway.as_mut() {
+            p.kill();
+        }
+    }
+
+    /// Stops broker `id` with SIGTERM; true when it exited cleanly in time.
+    pub fn terminate_broker(&mut self, id: u64, within: Duration) -> bool {
+        self.brokers
+            .get_mut(&id)
+            .map(|p| p.terminate(within))
+            .unwrap_or(false)
+    }
+
+    pub fn terminate_gateway(&mut self, within: Duration) -> bool {
+        self.gateway
+            .as_mut()
+            .map(|p| p.terminate(within))
+            .unwrap_or(false)
+    }
+
+    pub fn client(&self) -> Client {
+        Client::connect(&self.gateway_addr)
+            .expect("client")
+            .with_retry_budget(Duration::from_secs(20))
+    }
+
+    /// The topology broker `id` reports, if it answers.
+    pub async fn broker_topology(&self, id: u64) -> Option<BrokerTopology> {
+        let addr = format!("http://{}", self.broker_addrs.get(&id)?);
+        let mut c = tokio::time::timeout(Duration::from_millis(500), BrokerClient::connect(addr))
+            .await
+            .ok()?
+            .ok()?;
+        let r = tokio::time::timeout(
+            Duration::from_millis(500),
+            c.topology(BrokerTopologyRequest {}),
+        )
+        .await
+        .ok()?
+        .ok()?;
+        Some(r.into_inner())
+    }
+
+    /// partition -> leader id, as the live brokers report it (a broker claiming the
+    /// leadership of a partition).
+    pub async fn leaders(&self) -> BTreeMap<u32, u64> {
+        let mut out = BTreeMap::new();
+        let mut terms: BTreeMap<u32, u64> = BTreeMap::new();
+        for id in self.broker_addrs.keys() {
+            if let Some(t) = self.broker_topology(*id).await {
+                for p in t.partitions {
+                    if p.role == "leader" && terms.get(&p.partition_id).is_none_or(|x| *x < p.term)
+                    {
+                        terms.insert(p.partition_id, p.term);
+                        out.insert(p.partition_id, *id);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Waits until every partition has a leader and the gateway answers.
+    pub async fn wait_for_leaders(&self, within: Duration) {
+        let partitions = self.opts.partitions as usize;
+        wait_until(within, "every partition has a leader", || async {
+            self.leaders().await.len() == partitions
+        })
+        .await;
+        let client = self.client();
+        wait_until(within, "the gateway knows every leader", || async {
+            match client.topology().await {
+                Ok(t) => {
+                    let mut led = std::collections::BTreeSet::new();
+                    for b in &t.brokers {
+                        for p in &b.partitions {
+                            if p.role == 0 {
+                                led.insert(p.partition_id);
+                            }
+                        }
+                    }
+                    led.len() == partitions
+                }
+                Err(_) => false,
+            }
+        })
+        .await;
+    }
+
+    fn dump_logs(&self) {
+        for entry in std::fs::read_dir(self.dir.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "log") {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(40).collect();
+                eprintln!("----- {} (last 40 lines) -----", path.display());
+                for l in tail.iter().rev() {
+                    eprintln!("{l}");
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.dump_logs();
+        }
+        for p in self.brokers.values_mut() {
+            p.kill();
+        }
+        if let Some(g) = self.gateway.as_mut() {
+            g.kill();
+        }
+    }
+}
+
+/// Polls `cond` every 25 ms until it holds; panics naming `what` after `within`.
+pub async fn wait_until<F, Fut>(within: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if cond().await {
+            return;
+        }
+        if Instant::now() >= deadline {
+            panic!("timed out after {within:?} waiting until {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Whether a path exists (for snapshot files).
+pub fn exists(p: &Path) -> bool {
+    p.exists()
+}
