@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Runs every test: unit tests, openraft's storage suite, cluster tests on real
+# processes, and the compatibility tests with real Zeebe clients (installed here
+# from the npm registry; nothing needs installing by hand).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
+
+command -v npm >/dev/null || { echo "npm is required for the Zeebe client tests" >&2; exit 1; }
+npm ci --prefix tests/compat --no-audit --no-fund --loglevel=error
+
+cargo test --workspace

@@ -1,0 +1,187 @@
+//! Compatibility with a real Zeebe client: the `zbctl` binary (npm package `zbctl`,
+//! installed into tests/compat by .ci/run) against a Courier cluster of real processes.
+
+mod common;
+
+use common::{serial, Cluster, ClusterOpts};
+use courier_client::{JobState, NewJob};
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// The zbctl binary; a missing one fails the test, it never skips it.
+fn zbctl() -> PathBuf {
+    let path = std::env::var_os("ZBCTL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/compat/node_modules/zbctl/bin/zbctl-cli.linux")
+        });
+    assert!(
+        path.exists(),
+        "zbctl not found at {}: run `npm ci --prefix tests/compat` (.ci/run does) or set ZBCTL",
+        path.display()
+    );
+    path
+}
+
+fn run(cluster: &Cluster, args: &[&str]) -> Output {
+    Command::new(zbctl())
+        .args(["--insecure", "--address", &cluster.gateway_addr])
+        .args(args)
+        .output()
+        .expect("run zbctl")
+}
+
+fn ok(cluster: &Cluster, args: &[&str]) -> String {
+    let out = run(cluster, args);
+    assert!(
+        out.status.success(),
+        "zbctl {args:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zbctl_status_activate_complete_and_fail_work_against_courier() {
+    let _g = serial();
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+
+    let status = ok(&cluster, &["status"]);
+    assert!(status.contains("Cluster size: 3"), "{status}");
+    assert!(status.contains("Partitions count: 3"), "{status}");
+    assert!(status.contains("Replication factor: 3"), "{status}");
+    assert_eq!(status.matches("Leader, Healthy").count(), 3, "{status}");
+
+    let mut keys = Vec::new();
+    for i in 0..3 {
+        let job = NewJob::new("zb-pay")
+            .variables(format!("{{\"order\":{i},\"note\":\"x\"}}").as_str())
+            .custom_headers(r#"{"priority":"high"}"#);
+        keys.push(c.create_job(job).await.expect("create").key);
+    }
+
+    let out = ok(
+        &cluster,
+        &[
+            "activate",
+            "jobs",
+            "zb-pay",
+            "--maxJobsToActivate",
+            "3",
+            "--requestTimeout",
+            "5s",
+            "--worker",
+            "zb-worker",
+        ],
+    );
+    let parsed: serde_json::Value = serde_json::from_str(&out).expect("zbctl prints JSON");
+    let jobs = parsed["jobs"].as_array().expect("jobs array");
+    assert_eq!(jobs.len(), 3, "{out}");
+    let mut got: Vec<i64> = jobs
+        .iter()
+        .map(|j| {
+            j["key"]
+                .as_str()
+                .expect("key as string")
+                .parse()
+                .expect("int key")
+        })
+        .collect();
+    got.sort();
+    let mut want = keys.clone();
+    want.sort();
+    assert_eq!(got, want);
+    for j in jobs {
+        assert_eq!(j["type"], "zb-pay");
+        assert_eq!(j["worker"], "zb-worker");
+        assert_eq!(j["retries"], 3);
+        assert_eq!(j["tenantId"], "<default>");
+        let vars: serde_json::Value =
+            serde_json::from_str(j["variables"].as_str().expect("variables")).expect("JSON");
+        assert_eq!(vars["note"], "x");
+        let headers: serde_json::Value =
+            serde_json::from_str(j["customHeaders"].as_str().expect("headers")).expect("JSON");
+        assert_eq!(headers["priority"], "high");
+    }
+
+    let (k1, k2, k3) = (
+        keys[0].to_string(),
+        keys[1].to_string(),
+        keys[2].to_string(),
+    );
+    ok(
+        &cluster,
+        &["complete", "job", &k1, "--variables", r#"{"done":true}"#],
+    );
+    assert_eq!(
+        c.get_job(keys[0]).await.expect_err("completed").code(),
+        Some(tonic::Code::NotFound)
+    );
+    let again = run(&cluster, &["complete", "job", &k1]);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("NotFound"));
+
+    ok(
+        &cluster,
+        &[
+            "fail",
+            "job",
+            &k2,
+            "--retries",
+            "1",
+            "--errorMessage",
+            "boom",
+        ],
+    );
+    let j2 = c.get_job(keys[1]).await.expect("get");
+    assert_eq!(j2.state, JobState::Activatable as i32);
+    assert_eq!(j2.retries, 1);
+    assert_eq!(j2.error_message, "boom");
+
+    ok(
+        &cluster,
+        &[
+            "fail",
+            "job",
+            &k3,
+            "--retries",
+            "0",
+            "--errorMessage",
+            "dead",
+        ],
+    );
+    assert_eq!(
+        c.get_job(keys[2]).await.expect("get").state,
+        JobState::Incident as i32
+    );
+    ok(&cluster, &["update", "retries", &k3, "--retries", "2"]);
+    assert_eq!(
+        c.get_job(keys[2]).await.expect("get").state,
+        JobState::Activatable as i32
+    );
+
+    // Both runnable again: zbctl activates them once more.
+    let out = ok(
+        &cluster,
+        &[
+            "activate",
+            "jobs",
+            "zb-pay",
+            "--maxJobsToActivate",
+            "5",
+            "--requestTimeout",
+            "5s",
+        ],
+    );
+    let parsed: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(parsed["jobs"].as_array().map(Vec::len), Some(2), "{out}");
+
+    // Process RPCs are not Courier's: UNIMPLEMENTED, not a crash.
+    let out = run(&cluster, &["create", "instance", "some-process"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Unimplemented"));
+    c.topology().await.expect("gateway still serves");
+}
