@@ -1,6 +1,9 @@
 //! Cluster tests: 3 brokers (replication factor 3, 3 partitions) and a gateway, each a
 //! real `courier` process on loopback, driven through the Rust client over gRPC.
 
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
 mod common;
 
 use common::{serial, wait_until, Cluster, ClusterOpts};
@@ -86,13 +89,13 @@ async fn lifecycle_of_many_jobs(opts: ClusterOpts, n: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_jobs_are_created_activated_and_completed() {
-    let _g = serial();
+    let _g = serial().await;
     lifecycle_of_many_jobs(ClusterOpts::default(), 1000).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_replicated_durability_mode_runs_the_same_lifecycle() {
-    let _g = serial();
+    let _g = serial().await;
     lifecycle_of_many_jobs(
         ClusterOpts {
             durability: "replicated",
@@ -105,7 +108,7 @@ async fn the_replicated_durability_mode_runs_the_same_lifecycle() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_activation_that_times_out_is_activated_again() {
-    let _g = serial();
+    let _g = serial().await;
     let cluster = Cluster::start(ClusterOpts::default()).await;
     let c = cluster.client();
     let key = c.create_job(NewJob::new("slow")).await.expect("create").key;
@@ -133,7 +136,7 @@ async fn an_activation_that_times_out_is_activated_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_job_waits_for_its_back_off_then_runs_again() {
-    let _g = serial();
+    let _g = serial().await;
     let cluster = Cluster::start(ClusterOpts::default()).await;
     let c = cluster.client();
     let key = c
@@ -168,7 +171,7 @@ async fn a_failed_job_waits_for_its_back_off_then_runs_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_out_of_retries_is_an_incident_until_its_retries_are_updated() {
-    let _g = serial();
+    let _g = serial().await;
     let cluster = Cluster::start(ClusterOpts::default()).await;
     let c = cluster.client();
     let key = c
@@ -199,7 +202,7 @@ async fn a_job_out_of_retries_is_an_incident_until_its_retries_are_updated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_a_leader_mid_load_loses_no_acknowledged_job() {
-    let _g = serial();
+    let _g = serial().await;
     let mut cluster = Cluster::start(ClusterOpts::default()).await;
     let c = cluster.client();
     let acked = Arc::new(Mutex::new(Vec::<i64>::new()));
@@ -296,7 +299,7 @@ async fn killing_a_leader_mid_load_loses_no_acknowledged_job() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_broker_catches_up_through_a_snapshot() {
-    let _g = serial();
+    let _g = serial().await;
     let mut cluster = Cluster::start(ClusterOpts {
         snapshot_every: 20,
         keep_after_snapshot: 0,
@@ -378,7 +381,7 @@ async fn a_restarted_broker_catches_up_through_a_snapshot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_the_status_zeebe_clients_expect() {
-    let _g = serial();
+    let _g = serial().await;
     let cluster = Cluster::start(ClusterOpts {
         brokers: 1,
         partitions: 2,
@@ -441,7 +444,7 @@ async fn bad_input_gets_the_status_zeebe_clients_expect() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn brokers_and_the_gateway_stop_cleanly_on_sigterm() {
-    let _g = serial();
+    let _g = serial().await;
     let mut cluster = Cluster::start(ClusterOpts::default()).await;
     let c = cluster.client();
     c.create_job(NewJob::new("t")).await.expect("create");

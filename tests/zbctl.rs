@@ -1,6 +1,9 @@
 //! Compatibility with a real Zeebe client: the `zbctl` binary (npm package `zbctl`,
 //! installed into tests/compat by .ci/run) against a Courier cluster of real processes.
 
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
 mod common;
 
 use common::{serial, Cluster, ClusterOpts};
@@ -45,7 +48,7 @@ fn ok(cluster: &Cluster, args: &[&str]) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zbctl_status_activate_complete_and_fail_work_against_courier() {
-    let _g = serial();
+    let _g = serial().await;
     let cluster = Cluster::start(ClusterOpts::default()).await;
     let c = cluster.client();
 

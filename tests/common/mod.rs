@@ -21,9 +21,9 @@ pub fn courier_bin() -> &'static str {
 
 /// One cluster test at a time: a 2-core machine cannot run several clusters at once
 /// and still meet their deadlines.
-pub fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+pub async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    LOCK.lock().await
 }
 
 /// A free loopback port (bound, then released for the process to take).

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Builds Courier in release mode, starts each topology, runs the scenarios, stops
+# everything it started, and writes benchmarks/RESULTS.md.
+#   bash benchmarks/run.sh           full run (~3 minutes)
+#   bash benchmarks/run.sh --quick   short run (under 2 minutes)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
+DURATION=10; WARMUP=2
+if [[ "${1:-}" == "--quick" ]]; then DURATION=3; WARMUP=1; fi
+
+cargo build --release -p courier-cli -p courier-bench
+BIN=target/release
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_ready() { # address
+  for _ in $(seq 1 200); do
+    if "$BIN/courier" status --address "$1" --retry-budget 0s 2>/dev/null | grep -q "PARTITION"; then
+      if ! "$BIN/courier" status --address "$1" --retry-budget 0s | grep -q "no leader"; then return 0; fi
+    fi
+    sleep 0.1
+  done
+  echo "cluster at $1 did not become ready" >&2; exit 1
+}
+stop_all() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; PIDS=(); }
+
+ROWS=()
+bench() { # label address
+  ROWS+=("$("$BIN/courier-bench" create --address "$2" --label "$1" --concurrency 1 --duration "$DURATION" --warmup "$WARMUP")")
+  ROWS+=("$("$BIN/courier-bench" create --address "$2" --label "$1" --concurrency 64 --duration "$DURATION" --warmup "$WARMUP")")
+}
+
+start_dev() { # durability
+  local gw; gw=$(free_port)
+  "$BIN/courier" dev --data-dir "$WORK/dev-$1" --gateway-addr "127.0.0.1:$gw" --metrics-addr off --durability "$1" >"$WORK/dev-$1.log" 2>&1 &
+  PIDS+=($!)
+  wait_ready "127.0.0.1:$gw"; echo "127.0.0.1:$gw"
+}
+
+start_cluster() { # durability
+  local p1 p2 p3 gw peers
+  p1=$(free_port); p2=$(free_port); p3=$(free_port); gw=$(free_port)
+  peers="1=127.0.0.1:$p1,2=127.0.0.1:$p2,3=127.0.0.1:$p3"
+  local i=1
+  for p in $p1 $p2 $p3; do
+    "$BIN/courier" broker --node-id $i --addr "127.0.0.1:$p" --peers "$peers" --partitions 3 \
+      --replication-factor 3 --durability "$1" --data-dir "$WORK/c-$1-$i" >"$WORK/broker-$1-$i.log" 2>&1 &
+    PIDS+=($!); i=$((i+1))
+  done
+  "$BIN/courier" gateway --addr "127.0.0.1:$gw" --brokers "127.0.0.1:$p1,127.0.0.1:$p2,127.0.0.1:$p3" >"$WORK/gateway-$1.log" 2>&1 &
+  PIDS+=($!)
+  wait_ready "127.0.0.1:$gw"; echo "127.0.0.1:$gw"
+}
+
+FSYNC=$("$BIN/courier-bench" fsync-probe --dir "$WORK")
+for d in fsync replicated; do
+  addr=$(start_dev "$d"); bench "courier dev (1 broker, 2 partitions), $d" "$addr"; stop_all
+  addr=$(start_cluster "$d"); bench "3 brokers, RF 3, 3 partitions, $d" "$addr"; stop_all
+done
+
+{
+  echo "# Benchmark results"
+  echo
+  echo "Produced by \`bash benchmarks/run.sh${1:+ $1}\` on $(date -u +%Y-%m-%d) ($(nproc) cores, $(free -g | awk '/Mem/{print $2}') GiB;"
+  echo "$FSYNC). Release build, everything on loopback on one machine; the load"
+  echo "generator shares the 2 cores with the cluster. Each row: ${DURATION} s measured after ${WARMUP} s warm-up."
+  echo
+  echo "## Create latency (request sent -> acknowledged: committed by a majority, applied)"
+  echo
+  echo "\`courier-bench create --concurrency C\`: C producers, each with one create in flight."
+  echo
+  echo "| topology | load | p50 ms | p99 ms | p99.9 ms | max ms | creates/s | errors |"
+  echo "|---|---|---|---|---|---|---|---|"
+  printf '%s\n' "${ROWS[@]}"
+} > benchmarks/RESULTS.md
+cat benchmarks/RESULTS.md
