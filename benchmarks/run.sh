@@ -38,7 +38,7 @@ start_dev() { # durability
   local gw; gw=$(free_port)
   "$BIN/courier" dev --data-dir "$WORK/dev-$1" --gateway-addr "127.0.0.1:$gw" --metrics-addr off --durability "$1" >"$WORK/dev-$1.log" 2>&1 &
   PIDS+=($!)
-  wait_ready "127.0.0.1:$gw"; echo "127.0.0.1:$gw"
+  wait_ready "127.0.0.1:$gw"; ADDR="127.0.0.1:$gw"
 }
 
 start_cluster() { # durability
@@ -53,13 +53,15 @@ start_cluster() { # durability
   done
   "$BIN/courier" gateway --addr "127.0.0.1:$gw" --brokers "127.0.0.1:$p1,127.0.0.1:$p2,127.0.0.1:$p3" >"$WORK/gateway-$1.log" 2>&1 &
   PIDS+=($!)
-  wait_ready "127.0.0.1:$gw"; echo "127.0.0.1:$gw"
+  wait_ready "127.0.0.1:$gw"; ADDR="127.0.0.1:$gw"
 }
 
+# start_* set ADDR rather than print it: a $(...) subshell would lose PIDS, and the
+# processes would outlive the script.
 FSYNC=$("$BIN/courier-bench" fsync-probe --dir "$WORK")
 for d in fsync replicated; do
-  addr=$(start_dev "$d"); bench "courier dev (1 broker, 2 partitions), $d" "$addr"; stop_all
-  addr=$(start_cluster "$d"); bench "3 brokers, RF 3, 3 partitions, $d" "$addr"; stop_all
+  start_dev "$d"; bench "courier dev (1 broker, 2 partitions), $d" "$ADDR"; stop_all
+  start_cluster "$d"; bench "3 brokers, RF 3, 3 partitions, $d" "$ADDR"; stop_all
 done
 
 {

@@ -188,3 +188,82 @@ async fn zbctl_status_activate_complete_and_fail_work_against_courier() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("Unimplemented"));
     c.topology().await.expect("gateway still serves");
 }
+
+/// Kills the child process when the test ends, however it ends.
+struct KillOnDrop(std::process::Child);
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zbctl_streaming_worker_completes_500_jobs_pushed_by_courier() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let log = std::fs::File::create(cluster.dir.path().join("zbctl-worker.log")).expect("log");
+    let _worker = KillOnDrop(
+        Command::new(zbctl())
+            .args(["--insecure", "--address", &cluster.gateway_addr])
+            .args([
+                "create",
+                "worker",
+                "zb-stream",
+                "--handler",
+                "cat",
+                "--streamEnabled",
+            ])
+            .args(["--concurrency", "8", "--name", "zbctl-streamer"])
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start zbctl worker"),
+    );
+    // zbctl's stream registered with every broker.
+    common::wait_until(
+        std::time::Duration::from_secs(15),
+        "zbctl's stream is registered",
+        || async {
+            cluster
+                .broker_metric("courier_broker_registered_streams")
+                .await
+                == 3.0
+        },
+    )
+    .await;
+
+    let mut keys = Vec::new();
+    for chunk in 0..10 {
+        let jobs = (0..50).map(|i| {
+            NewJob::new("zb-stream").variables(format!("{{\"n\":{}}}", chunk * 50 + i).as_str())
+        });
+        keys.extend(c.create_jobs(jobs).await.expect("create"));
+    }
+    assert_eq!(keys.len(), 500);
+    common::wait_until(
+        std::time::Duration::from_secs(60),
+        "zbctl completed all 500 jobs",
+        || async {
+            for k in keys.iter().rev() {
+                if c.get_job(*k).await.map_err(|e| e.code()) != Err(Some(tonic::Code::NotFound)) {
+                    return false;
+                }
+            }
+            true
+        },
+    )
+    .await;
+    let pushed = cluster
+        .gateway_metric(0, "courier_gateway_jobs_pushed_total")
+        .await;
+    let polled = cluster
+        .gateway_metric(0, "courier_gateway_jobs_activated_total")
+        .await;
+    eprintln!("zbctl got {pushed} jobs pushed and {polled} by polling");
+    assert!(
+        pushed >= 450.0,
+        "only {pushed} of 500 jobs were pushed ({polled} polled)"
+    );
+}

@@ -122,7 +122,13 @@ pub struct Cluster {
     pub dir: tempfile::TempDir,
     pub broker_addrs: BTreeMap<u64, String>,
     brokers: BTreeMap<u64, Proc>,
-    gateway: Option<Proc>,
+    /// Metrics address of each broker.
+    pub broker_metrics: BTreeMap<u64, String>,
+    gateways: Vec<Proc>,
+    /// Client address of each gateway; the first is `gateway_addr`.
+    pub gateway_addrs: Vec<String>,
+    /// Metrics address of each gateway.
+    pub gateway_metrics: Vec<String>,
     pub gateway_addr: String,
 }
 
@@ -133,18 +139,26 @@ impl Cluster {
         let broker_addrs: BTreeMap<u64, String> = (1..=opts.brokers)
             .map(|id| (id, format!("127.0.0.1:{}", free_port())))
             .collect();
+        let broker_metrics = broker_addrs
+            .keys()
+            .map(|id| (*id, format!("127.0.0.1:{}", free_port())))
+            .collect();
+        let gateway_addr = format!("127.0.0.1:{}", free_port());
         let mut c = Cluster {
             opts,
             dir,
             broker_addrs,
             brokers: BTreeMap::new(),
-            gateway: None,
-            gateway_addr: format!("127.0.0.1:{}", free_port()),
+            broker_metrics,
+            gateways: Vec::new(),
+            gateway_addrs: vec![gateway_addr.clone()],
+            gateway_metrics: vec![format!("127.0.0.1:{}", free_port())],
+            gateway_addr,
         };
         for id in 1..=c.opts.brokers {
             c.start_broker(id);
         }
-        c.start_gateway();
+        c.start_gateway(0);
         c.wait_for_leaders(Duration::from_secs(20)).await;
         c
     }
@@ -183,25 +197,67 @@ impl Cluster {
             self.opts.snapshot_every.to_string(),
             "--keep-after-snapshot".into(),
             self.opts.keep_after_snapshot.to_string(),
+            "--metrics-addr".into(),
+            self.broker_metrics[&id].clone(),
         ];
         let log = self.dir.path().join(format!("broker-{id}.log"));
         self.brokers.insert(id, Proc::spawn(&args, log));
     }
 
-    pub fn start_gateway(&mut self) {
+    /// Starts (or restarts) gateway `i` on its addresses.
+    pub fn start_gateway(&mut self, i: usize) {
         let args = vec![
             "gateway".to_string(),
             "--addr".into(),
-            self.gateway_addr.clone(),
+            self.gateway_addrs[i].clone(),
             "--brokers".into(),
             self.broker_addrs
                 .values()
                 .cloned()
                 .collect::<Vec<_>>()
                 .join(","),
+            "--metrics-addr".into(),
+            self.gateway_metrics[i].clone(),
         ];
-        let log = self.dir.path().join("gateway.log");
-        self.gateway = Some(Proc::spawn(&args, log));
+        let log = self.dir.path().join(format!("gateway-{i}.log"));
+        let p = Proc::spawn(&args, log);
+        if i < self.gateways.len() {
+            self.gateways[i] = p;
+        } else {
+            self.gateways.push(p);
+        }
+    }
+
+    /// Starts one more gateway; returns its index.
+    pub fn add_gateway(&mut self) -> usize {
+        self.gateway_addrs
+            .push(format!("127.0.0.1:{}", free_port()));
+        self.gateway_metrics
+            .push(format!("127.0.0.1:{}", free_port()));
+        let i = self.gateway_addrs.len() - 1;
+        self.start_gateway(i);
+        i
+    }
+
+    /// A client of gateway `i`.
+    pub fn client_of(&self, i: usize) -> Client {
+        Client::connect(&self.gateway_addrs[i])
+            .expect("client")
+            .with_retry_budget(Duration::from_secs(20))
+    }
+
+    /// The sum over all label sets of a gateway's metric, 0 if absent.
+    pub async fn gateway_metric(&self, i: usize, name: &str) -> f64 {
+        metric(&self.gateway_metrics[i], name).await
+    }
+
+    /// The sum over all label sets of a metric, over every live broker.
+    pub async fn broker_metric(&self, name: &str) -> f64 {
+        let mut total = 0.0;
+        for addr in self.broker_metrics.values() {
+            total += metric(addr, name).await;
+        }
+        total
     }
 
     pub fn kill_broker(&mut self, id: u64) {
@@ -210,8 +266,8 @@ impl Cluster {
         }
     }
 
-    pub fn kill_gateway(&mut self) {
-        if let Some(p) = self.gateway.as_mut() {
+    pub fn kill_gateway(&mut self, i: usize) {
+        if let Some(p) = self.gateways.get_mut(i) {
             p.kill();
         }
     }
@@ -225,8 +281,8 @@ impl Cluster {
     }
 
     pub fn terminate_gateway(&mut self, within: Duration) -> bool {
-        self.gateway
-            .as_mut()
+        self.gateways
+            .first_mut()
             .map(|p| p.terminate(within))
             .unwrap_or(false)
     }
@@ -327,7 +383,7 @@ impl Drop for Cluster {
         for p in self.brokers.values_mut() {
             p.kill();
         }
-        if let Some(g) = self.gateway.as_mut() {
+        for g in &mut self.gateways {
             g.kill();
         }
     }
@@ -349,6 +405,33 @@ where
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
+}
+
+/// Reads `/metrics` at `addr` over plain HTTP and sums every sample of `name`
+/// (all label sets); 0 when the endpoint or the metric is missing.
+pub async fn metric(addr: &str, name: &str) -> f64 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(Ok(mut s)) = tokio::time::timeout(
+        Duration::from_millis(500),
+        tokio::net::TcpStream::connect(addr),
+    )
+    .await
+    else {
+        return 0.0;
+    };
+    let req = format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    if s.write_all(req.as_bytes()).await.is_err() {
+        return 0.0;
+    }
+    let mut body = String::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut body)).await;
+    body.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 /// Whether a path exists (for snapshot files).

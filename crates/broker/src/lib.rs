@@ -2,7 +2,9 @@
 //! - [`engine`]: the pure job state machine: (state, command) -> (reply, effects, changes).
 //! - [`store`]: fjall storage: the Raft log, the engine state with last-applied, snapshots.
 //! - [`raft`]: openraft type config and the gRPC network client.
-//! - [`partition`]: a hosted partition: its proposer (group commit) and leader timers.
+//! - [`partition`]: a hosted partition: its proposer (group commit), leader timers,
+//!   and the pusher that carries pushed jobs to gateways.
+//! - [`registry`]: the job-stream registry: which gateway streams take which jobs.
 //! - [`service`]: the gRPC services for peer brokers and gateways.
 //! - [`config`]: static cluster configuration and replica placement.
 //! - [`metrics`]: Prometheus metrics.
@@ -16,6 +18,7 @@ pub mod partition;
 // openraft's error types (StorageError, RPCError) are large; their signatures are openraft's.
 #[allow(clippy::result_large_err)]
 pub mod raft;
+pub mod registry;
 pub mod service;
 #[allow(clippy::result_large_err)]
 pub mod store;
@@ -79,6 +82,7 @@ pub async fn run(
     let peers = PeerChannels::default();
     let addrs = Arc::new(config.brokers.clone());
     let (notices, _) = tokio::sync::broadcast::channel(4096);
+    let registry = Arc::new(registry::JobStreamRegistry::default());
     let tasks = TaskTracker::new();
 
     let mut partitions = BTreeMap::new();
@@ -105,6 +109,7 @@ pub async fn run(
             raft,
             shared,
             notices.clone(),
+            registry.clone(),
             &tasks,
             shutdown.clone(),
         );
@@ -133,6 +138,7 @@ pub async fn run(
                 config: config.clone(),
                 partitions: partitions.clone(),
                 notices,
+                registry,
                 shutdown: shutdown.clone(),
             })
             .max_decoding_message_size(MAX_MESSAGE_BYTES)

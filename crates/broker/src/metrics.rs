@@ -2,7 +2,9 @@
 //! brokers in one process (`courier dev`) share them.
 
 use prometheus::core::Collector;
-use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+};
 use std::sync::LazyLock;
 
 /// Registers `m`; a second registration (impossible with these statics) only logs.
@@ -103,6 +105,63 @@ pub static LINKS: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     )))
 });
 
+/// Aggregated streams registered on this broker (one per gateway and stream).
+pub static STREAMS: LazyLock<IntGauge> = LazyLock::new(|| {
+    register(built(IntGauge::new(
+        "courier_broker_registered_streams",
+        "Aggregated streams registered by gateways on this broker",
+    )))
+});
+
+/// Push attempts by outcome: accepted, refused (with the gateway's reason), unknown.
+pub static PUSHES: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    register(built(IntCounterVec::new(
+        Opts::new(
+            "courier_broker_push_attempts_total",
+            "Push attempts by outcome (accepted, refused_<reason>, unknown)",
+        ),
+        &["outcome"],
+    )))
+});
+
+/// A refused push tried on the next recipient of the same logical stream.
+pub static TRY_NEXT: LazyLock<IntCounter> = LazyLock::new(|| {
+    register(built(IntCounter::new(
+        "courier_broker_push_try_next_total",
+        "Refused pushes tried on another recipient of the same logical stream",
+    )))
+});
+
+/// Jobs given back to the log after every recipient refused them, or by a gateway.
+pub static YIELDS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    register(built(IntCounterVec::new(
+        Opts::new(
+            "courier_broker_yields_total",
+            "Pushed jobs made activatable again, by source (all_refused, gateway)",
+        ),
+        &["source"],
+    )))
+});
+
+/// Jobs pushed from the activatable backlog to a stream.
+pub static BACKFILLED: LazyLock<IntCounter> = LazyLock::new(|| {
+    register(built(IntCounter::new(
+        "courier_broker_backfilled_jobs_total",
+        "Jobs activated from the backlog for a newly available stream",
+    )))
+});
+
+/// From proposing a create to sending the activated job to a gateway.
+pub static CREATE_TO_PUSH: LazyLock<Histogram> = LazyLock::new(|| {
+    register(built(Histogram::with_opts(
+        HistogramOpts::new(
+            "courier_broker_create_to_push_seconds",
+            "From proposing a job's creation to sending it to a gateway, on the leader",
+        )
+        .buckets(latency_buckets()),
+    )))
+});
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -116,6 +175,12 @@ mod tests {
             .observe(0.1);
         super::LEADER.with_label_values(&["1", "1"]).set(1);
         super::LINKS.with_label_values(&["1"]).set(0);
+        super::STREAMS.set(0);
+        super::PUSHES.with_label_values(&["accepted"]).inc();
+        super::TRY_NEXT.inc();
+        super::YIELDS.with_label_values(&["gateway"]).inc();
+        super::BACKFILLED.inc();
+        super::CREATE_TO_PUSH.observe(0.001);
         let names: Vec<String> = prometheus::gather()
             .iter()
             .map(|f| f.name().to_string())

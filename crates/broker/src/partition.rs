@@ -4,19 +4,24 @@
 //! expensive and commands are cheap, so everything waiting is drained into one
 //! [`Batch`] while earlier entries are in flight.
 
-use crate::engine::{Batch, Effect, LogCommand};
+use crate::engine::{Batch, Effect, LogCommand, Push, PushTarget};
 use crate::metrics;
 use crate::raft::Raft;
+use crate::registry::{JobStreamRegistry, PushOutcome};
 use crate::store::sm::SharedState;
 use courier_proto::cluster::{broker_message, BrokerMessage, JobsAvailable};
-use courier_proto::domain::{BrokerError, JobKey, NodeId, PartitionId, Reply};
+use courier_proto::domain::{
+    ActivationProps, BrokerError, Command, JobKey, NodeId, PartitionId, Reply,
+};
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::ServerState;
-use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tokio::sync::{broadcast, mpsc, oneshot};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -28,6 +33,8 @@ const QUEUE_CAPACITY: usize = 20_000;
 const MAX_INFLIGHT: usize = 2;
 /// Most timed-out or recurring jobs handled in one command.
 const MAX_TIMER_KEYS: usize = 1000;
+/// Jobs pushed per back-fill round; the next round starts once these are answered.
+const BACKFILL_BATCH: u32 = 32;
 
 /// The leader's wall clock in epoch ms; decided before proposing, never in apply.
 pub fn now_ms() -> i64 {
@@ -52,16 +59,30 @@ pub struct Partition {
     pub raft: Raft,
     shared: Arc<SharedState>,
     proposals: mpsc::Sender<Proposal>,
+    registry: Arc<JobStreamRegistry>,
+    notices: Notices,
+    /// Pushes sent and not yet answered; back-fill waits for them to settle.
+    pushes_inflight: AtomicUsize,
+    /// Pushes every recipient refused, ever; back-fill stops when it grows.
+    pushes_refused: AtomicU64,
+    push_settled: Notify,
+    /// Streams (by properties) this partition is back-filling now, so a stream
+    /// registered on several links gets one back-fill, not one per link. `true`:
+    /// asked again while running (the stream has room again), so run once more.
+    backfilling: Mutex<BTreeMap<String, bool>>,
+    shutdown: CancellationToken,
 }
 
 impl Partition {
     /// Starts the proposer and the timers of a partition; both stop on `shutdown`.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         id: PartitionId,
         node_id: NodeId,
         raft: Raft,
         shared: Arc<SharedState>,
         notices: Notices,
+        registry: Arc<JobStreamRegistry>,
         tasks: &tokio_util::task::TaskTracker,
         shutdown: CancellationToken,
     ) -> Arc<Partition> {
@@ -72,13 +93,71 @@ impl Partition {
             raft,
             shared,
             proposals: tx,
+            registry,
+            notices,
+            pushes_inflight: AtomicUsize::new(0),
+            pushes_refused: AtomicU64::new(0),
+            push_settled: Notify::new(),
+            backfilling: Mutex::new(BTreeMap::new()),
+            shutdown: shutdown.clone(),
         });
         let span = tracing::info_span!("partition", partition = id.0, node = node_id);
-        tasks.spawn(
-            run_proposer(p.clone(), rx, notices.clone(), shutdown.clone()).instrument(span.clone()),
-        );
-        tasks.spawn(run_timers(p.clone(), notices, shutdown).instrument(span));
+        tasks.spawn(run_proposer(p.clone(), rx, shutdown.clone()).instrument(span.clone()));
+        tasks.spawn(run_timers(p.clone(), shutdown).instrument(span));
         p
+    }
+
+    /// Prepares a client's command with the leader's push decisions and replicates it.
+    pub async fn submit(&self, cmd: Command) -> Result<Reply, BrokerError> {
+        let push = self.push_targets(&cmd);
+        self.propose(LogCommand::Client { cmd, push }).await
+    }
+
+    /// The streams that may take the jobs this command makes runnable: decided here,
+    /// on the leader, and written into the command so every replica activates alike.
+    fn push_targets(&self, cmd: &Command) -> Vec<PushTarget> {
+        match cmd {
+            Command::Create(jobs) => {
+                let mut wanted: BTreeMap<(&str, &str), u32> = BTreeMap::new();
+                for j in jobs {
+                    *wanted.entry((&j.job_type, &j.tenant_id)).or_default() += 1;
+                }
+                self.lookup_all(wanted)
+            }
+            Command::Fail {
+                key,
+                retries,
+                retry_backoff_ms,
+                ..
+            } if *retries > 0 && *retry_backoff_ms <= 0 => self.targets_for_keys(&[*key]),
+            Command::UpdateRetries { key, .. } => self.targets_for_keys(&[*key]),
+            _ => Vec::new(),
+        }
+    }
+
+    fn lookup_all(&self, wanted: BTreeMap<(&str, &str), u32>) -> Vec<PushTarget> {
+        wanted
+            .into_iter()
+            .filter_map(|((t, tenant), n)| self.registry.lookup(t, tenant, n))
+            .collect()
+    }
+
+    /// Targets for jobs already in the state (fail, timers, retries updates).
+    fn targets_for_keys(&self, keys: &[JobKey]) -> Vec<PushTarget> {
+        let applied = self.shared.read();
+        let mut wanted: BTreeMap<(String, String), u32> = BTreeMap::new();
+        for k in keys {
+            if let Some(j) = applied.state.job(*k) {
+                *wanted
+                    .entry((j.job_type.clone(), j.tenant_id.clone()))
+                    .or_default() += 1;
+            }
+        }
+        drop(applied);
+        wanted
+            .into_iter()
+            .filter_map(|((t, tenant), n)| self.registry.lookup(&t, &tenant, n))
+            .collect()
     }
 
     /// Replicates `cmd` and answers once it is committed and applied.
@@ -139,7 +218,6 @@ impl Partition {
 async fn run_proposer(
     p: Arc<Partition>,
     mut rx: mpsc::Receiver<Proposal>,
-    notices: Notices,
     shutdown: CancellationToken,
 ) {
     let mut inflight = FuturesUnordered::new();
@@ -161,14 +239,14 @@ async fn run_proposer(
         }
         if !pending.is_empty() && inflight.len() < MAX_INFLIGHT {
             let batch = std::mem::take(&mut pending);
-            inflight.push(write(p.clone(), batch, notices.clone()));
+            inflight.push(write(p.clone(), batch));
         }
     }
     // Whatever is still waiting is answered by dropping its sender: UNAVAILABLE.
 }
 
 /// Proposes one entry and answers each of its commands.
-async fn write(p: Arc<Partition>, batch: Vec<Proposal>, notices: Notices) {
+async fn write(p: Arc<Partition>, batch: Vec<Proposal>) {
     let (commands, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|b| (b.cmd, b.reply)).unzip();
     metrics::BATCH_SIZE.observe(commands.len() as f64);
     let started = std::time::Instant::now();
@@ -182,10 +260,11 @@ async fn write(p: Arc<Partition>, batch: Vec<Proposal>, notices: Notices) {
     metrics::COMMIT_SECONDS.observe(started.elapsed().as_secs_f64());
     match result {
         Ok(resp) => {
+            // Pushes first: they are the job path's latency.
+            carry_out(&p, resp.data.effects, Some(started));
             for (reply, tx) in resp.data.replies.into_iter().zip(replies) {
                 let _ = tx.send(reply);
             }
-            announce(p.id, &resp.data.effects, &notices);
         }
         Err(e) => {
             let err = match e {
@@ -210,18 +289,171 @@ async fn write(p: Arc<Partition>, batch: Vec<Proposal>, notices: Notices) {
     }
 }
 
-/// Carries out the effects of an applied entry on the leader.
-fn announce(partition: PartitionId, effects: &[Effect], notices: &Notices) {
+/// Carries out the effects of an applied entry, on the leader only (only the
+/// proposer gets them). `proposed` is when the entry was proposed.
+fn carry_out(p: &Arc<Partition>, effects: Vec<Effect>, proposed: Option<Instant>) {
     for e in effects {
         match e {
             Effect::JobsAvailable { job_type, .. } => {
                 // No receiver (no gateway linked) is fine.
-                let _ = notices.send(BrokerMessage {
+                let _ = p.notices.send(BrokerMessage {
                     kind: Some(broker_message::Kind::JobsAvailable(JobsAvailable {
-                        r#type: job_type.clone(),
-                        partition_id: partition.0,
+                        r#type: job_type,
+                        partition_id: p.id.0,
                     })),
                 });
+            }
+            Effect::Push(push) => {
+                p.pushes_inflight.fetch_add(1, Ordering::Relaxed);
+                let created = proposed.filter(|_| push.created);
+                tokio::spawn(run_push(p.clone(), *push, created));
+            }
+        }
+    }
+}
+
+/// Sends a pushed job to its recipient, then to the other recipients of the same
+/// logical stream while they refuse; when all refuse, yields it back to the log. A
+/// push that got no answer is never retried: it may be running, and its activation
+/// deadline recovers it if not.
+async fn run_push(p: Arc<Partition>, push: Push, created: Option<Instant>) {
+    let Push {
+        target, lease, job, ..
+    } = push;
+    let key = job.key;
+    let mut recipients = vec![target.recipient.clone()];
+    recipients.extend(p.registry.others(&target.props, &target.recipient));
+    let mut refused = true;
+    for (i, r) in recipients.iter().enumerate() {
+        let Some(link) = p.registry.link(r.link) else {
+            continue;
+        };
+        if i > 0 {
+            metrics::TRY_NEXT.inc();
+        }
+        if let Some(t0) = created {
+            metrics::CREATE_TO_PUSH.observe(t0.elapsed().as_secs_f64());
+        }
+        let outcome = link.push(r.stream_id, p.id, lease, job.clone()).await;
+        match outcome {
+            PushOutcome::Accepted => {
+                metrics::PUSHES.with_label_values(&["accepted"]).inc();
+                refused = false;
+                break;
+            }
+            PushOutcome::Refused(reason) => {
+                tracing::debug!(job = key.0, reason, "push refused");
+                metrics::PUSHES
+                    .with_label_values(&[&format!("refused_{reason}")])
+                    .inc();
+            }
+            PushOutcome::Unknown => {
+                metrics::PUSHES.with_label_values(&["unknown"]).inc();
+                refused = false;
+                break;
+            }
+        }
+    }
+    if refused {
+        p.pushes_refused.fetch_add(1, Ordering::Relaxed);
+        metrics::YIELDS.with_label_values(&["all_refused"]).inc();
+        if let Err(e) = p.propose(LogCommand::Yield { key, lease }).await {
+            // The job stays activated; its deadline recovers it.
+            tracing::debug!(job = key.0, error = %e, "yield not applied");
+        }
+    }
+    if p.pushes_inflight.fetch_sub(1, Ordering::Relaxed) == 1 {
+        p.push_settled.notify_waiters();
+    }
+}
+
+impl Partition {
+    /// A stream with these properties became available: if this replica leads, push
+    /// it the backlog of its type in bounded rounds, each waiting for the previous
+    /// round's answers, until the backlog is empty, the stream is gone, or a push is
+    /// refused (the stream is full; the rest waits for polls or for room).
+    pub fn backfill(self: &Arc<Self>, props: ActivationProps) {
+        if !self.is_leader() {
+            return;
+        }
+        let id = format!("{props:?}");
+        {
+            let mut running = self.backfilling.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(again) = running.get_mut(&id) {
+                *again = true;
+                return;
+            }
+            running.insert(id.clone(), false);
+        }
+        let p = self.clone();
+        tokio::spawn(async move {
+            loop {
+                p.run_backfill(&props).await;
+                let mut running = p.backfilling.lock().unwrap_or_else(|e| e.into_inner());
+                match running.get_mut(&id) {
+                    Some(again) if *again => *again = false,
+                    _ => {
+                        running.remove(&id);
+                        return;
+                    }
+                }
+            }
+        });
+    }
+
+    async fn run_backfill(&self, props: &ActivationProps) {
+        loop {
+            if self.shutdown.is_cancelled() || !self.is_leader() {
+                return;
+            }
+            // Pushes still out may end in yields (a push task yields before it
+            // counts as done): those jobs are this round's backlog too.
+            self.settle().await;
+            if !self
+                .shared
+                .read()
+                .state
+                .has_activatable(&props.job_type, &props.tenant_ids)
+            {
+                return;
+            }
+            let Some(target) = self.registry.target_for(props, BACKFILL_BATCH) else {
+                return;
+            };
+            let refused_before = self.pushes_refused.load(Ordering::Relaxed);
+            let before = self.pushes_inflight.load(Ordering::Relaxed);
+            if self.propose(LogCommand::Backfill { target }).await.is_err() {
+                return;
+            }
+            metrics::BACKFILLED.inc_by(
+                self.pushes_inflight
+                    .load(Ordering::Relaxed)
+                    .saturating_sub(before) as u64,
+            );
+            self.settle().await;
+            if self.pushes_refused.load(Ordering::Relaxed) != refused_before {
+                // Full: the gateway says when the stream has room again.
+                return;
+            }
+        }
+    }
+
+    /// Waits until no push of this partition is waiting for its answer, at most 1 s
+    /// (under steady load pushes never all settle at once).
+    async fn settle(&self) {
+        let limit = tokio::time::sleep(Duration::from_secs(1));
+        tokio::pin!(limit);
+        loop {
+            let settled = self.push_settled.notified();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
+            if self.pushes_inflight.load(Ordering::Relaxed) == 0 {
+                return;
+            }
+            tokio::select! {
+                _ = &mut settled => {}
+                _ = &mut limit => return,
+                _ = self.shutdown.cancelled() => return,
             }
         }
     }
@@ -229,7 +461,7 @@ fn announce(partition: PartitionId, effects: &[Effect], notices: &Notices) {
 
 /// While leader: proposes TimeOut for activations past their deadline and Recur
 /// for jobs past their retry back-off. Apply re-checks both against the entry's time.
-async fn run_timers(p: Arc<Partition>, notices: Notices, shutdown: CancellationToken) {
+async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
     let mut metrics_rx = p.raft.metrics();
     let mut was_leader = false;
     loop {
@@ -243,7 +475,8 @@ async fn run_timers(p: Arc<Partition>, notices: Notices, shutdown: CancellationT
         }
         if !was_leader {
             was_leader = true;
-            // Parked polls may have missed notices while leadership moved.
+            // Parked polls may have missed notices while leadership moved, and streams
+            // registered earlier may have a backlog here now.
             let types = p.shared.read().state.activatable_types();
             let effects: Vec<Effect> = types
                 .into_iter()
@@ -252,7 +485,10 @@ async fn run_timers(p: Arc<Partition>, notices: Notices, shutdown: CancellationT
                     tenant_id,
                 })
                 .collect();
-            announce(p.id, &effects, &notices);
+            carry_out(&p, effects, None);
+            for props in p.registry.all_props() {
+                p.backfill(props);
+            }
         }
         let applied = p.shared.applied.notified();
         tokio::pin!(applied);
@@ -271,13 +507,15 @@ async fn run_timers(p: Arc<Partition>, notices: Notices, shutdown: CancellationT
             )
         };
         let mut proposed = false;
-        for cmd in [
-            (!timeouts.is_empty()).then_some(LogCommand::TimeOut(timeouts)),
-            (!retries.is_empty()).then_some(LogCommand::Recur(retries)),
-        ]
-        .into_iter()
-        .flatten()
-        {
+        let timeouts = (!timeouts.is_empty()).then(|| LogCommand::TimeOut {
+            push: p.targets_for_keys(&timeouts),
+            keys: timeouts,
+        });
+        let retries = (!retries.is_empty()).then(|| LogCommand::Recur {
+            push: p.targets_for_keys(&retries),
+            keys: retries,
+        });
+        for cmd in [timeouts, retries].into_iter().flatten() {
             proposed = true;
             if let Err(e) = p.propose(cmd).await {
                 tracing::debug!(error = %e, "timer command not applied");

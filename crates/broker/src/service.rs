@@ -7,13 +7,15 @@ use crate::engine::LogCommand;
 use crate::metrics;
 use crate::partition::{Notices, Partition};
 use crate::raft::{SnapshotChunkHeader, TypeConfig};
+use crate::registry::{JobStreamRegistry, Link};
 use courier_proto::cluster::{
     self, gateway_message, BrokerAddress, BrokerMessage, BrokerTopology, BrokerTopologyRequest,
     ExecuteReply, ExecuteRequest, GatewayMessage, PartitionStatus, RaftReply, RaftRequest,
     SnapshotChunk,
 };
 use courier_proto::codec;
-use courier_proto::domain::{BrokerError, PartitionId, Reply, Request};
+use courier_proto::convert;
+use courier_proto::domain::{BrokerError, JobKey, PartitionId, Reply, Request};
 use futures::Stream;
 use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
 use openraft::ServerState;
@@ -104,6 +106,7 @@ pub struct BrokerService {
     pub config: Arc<BrokerConfig>,
     pub partitions: Partitions,
     pub notices: Notices,
+    pub registry: Arc<JobStreamRegistry>,
     pub shutdown: CancellationToken,
 }
 
@@ -116,7 +119,7 @@ impl BrokerService {
             });
         };
         match request {
-            Request::Command(c) => p.propose(LogCommand::Client(c)).await,
+            Request::Command(c) => p.submit(c).await,
             Request::GetJob { key } => p.get_job(key),
         }
     }
@@ -154,11 +157,82 @@ fn outcome(r: &Result<Reply, BrokerError>) -> &'static str {
 
 type LinkStream = Pin<Box<dyn Stream<Item = Result<BrokerMessage, Status>> + Send>>;
 
-/// Keeps the open-links gauge right however a link ends.
-struct LinkGauge(prometheus::IntGauge);
-impl Drop for LinkGauge {
+/// Ends a link however its stream ends (closed, broken, dropped): its streams leave
+/// the registry at once, and the open-links gauge stays right.
+struct LinkGuard {
+    registry: Arc<JobStreamRegistry>,
+    link: u64,
+    gauge: prometheus::IntGauge,
+}
+
+impl Drop for LinkGuard {
     fn drop(&mut self) {
-        self.0.dec();
+        self.registry.remove_link(self.link);
+        self.gauge.dec();
+    }
+}
+
+/// Handles one message a gateway sent over its link. Malformed ones are dropped.
+fn on_gateway_message(
+    registry: &JobStreamRegistry,
+    partitions: &Partitions,
+    link: &Link,
+    msg: GatewayMessage,
+) {
+    match msg.kind {
+        Some(gateway_message::Kind::Hello(h)) => {
+            tracing::info!(gateway = %h.gateway_id, link = link.id, "gateway linked");
+            *link.gateway.lock().unwrap_or_else(|e| e.into_inner()) = h.gateway_id;
+        }
+        Some(gateway_message::Kind::Register(r)) => {
+            match r.props.as_ref().map(convert::stream_props) {
+                Some(Ok(props)) => {
+                    tracing::debug!(link = link.id, stream = r.stream_id, job_type = %props.job_type, "stream registered");
+                    registry.register(link.id, r.stream_id, props.clone());
+                    for p in partitions.values() {
+                        p.backfill(props.clone());
+                    }
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(link = link.id, error = %e, "invalid stream registration dropped")
+                }
+                None => tracing::warn!(
+                    link = link.id,
+                    "stream registration without properties dropped"
+                ),
+            }
+        }
+        Some(gateway_message::Kind::Unregister(u)) => registry.unregister(link.id, u.stream_id),
+        Some(gateway_message::Kind::Ready(r)) => {
+            // Room again after refusals: whatever was yielded meanwhile is waiting.
+            if let Some(props) = registry.props_of(link.id, r.stream_id) {
+                for p in partitions.values() {
+                    p.backfill(props.clone());
+                }
+            }
+        }
+        Some(gateway_message::Kind::PushAck(a)) => link.acked(a.push_id, a.accepted, a.reason),
+        Some(gateway_message::Kind::YieldJob(y)) => {
+            let Some(p) = partitions.get(&y.partition_id).cloned() else {
+                tracing::warn!(
+                    partition = y.partition_id,
+                    "yield for a partition not hosted here dropped"
+                );
+                return;
+            };
+            metrics::YIELDS.with_label_values(&["gateway"]).inc();
+            tokio::spawn(async move {
+                let cmd = LogCommand::Yield {
+                    key: JobKey(y.key),
+                    lease: y.lease,
+                };
+                if let Err(e) = p.propose(cmd).await {
+                    // The job stays activated; its deadline recovers it.
+                    tracing::debug!(job = y.key, error = %e, "gateway yield not applied");
+                }
+            });
+        }
+        None => tracing::warn!(link = link.id, "empty link message dropped"),
     }
 }
 
@@ -238,40 +312,47 @@ impl cluster::broker_server::Broker for BrokerService {
     ) -> Result<Response<LinkStream>, Status> {
         let mut inbound = req.into_inner();
         let mut notices = self.notices.subscribe();
+        let (link, mut outbound) = self.registry.add_link();
+        let registry = self.registry.clone();
+        let partitions = self.partitions.clone();
         let shutdown = self.shutdown.clone();
         let gauge = metrics::LINKS.with_label_values(&[&self.config.node_id.to_string()]);
+        gauge.inc();
+        let guard = LinkGuard {
+            registry: registry.clone(),
+            link: link.id,
+            gauge,
+        };
         let out = async_stream::stream! {
-            gauge.inc();
-            let _gauge = LinkGauge(gauge);
-            let mut gateway = String::new();
+            let _guard = guard;
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     m = inbound.message() => match m {
-                        Ok(Some(GatewayMessage { kind: Some(gateway_message::Kind::Hello(h)) })) => {
-                            tracing::info!(gateway = %h.gateway_id, "gateway linked");
-                            gateway = h.gateway_id;
-                        }
-                        Ok(Some(other)) => tracing::warn!(?other, "unexpected link message dropped"),
+                        Ok(Some(msg)) => on_gateway_message(&registry, &partitions, &link, msg),
                         Ok(None) => break,
                         Err(e) => {
-                            tracing::info!(%gateway, error = %e, "gateway link broke");
+                            tracing::info!(link = link.id, error = %e, "gateway link broke");
                             break;
                         }
+                    },
+                    o = outbound.recv() => match o {
+                        Some(msg) => yield Ok(msg),
+                        None => break,
                     },
                     n = notices.recv() => match n {
                         Ok(msg) => yield Ok(msg),
                         Err(RecvError::Lagged(k)) => {
                             // Closing makes the gateway reconnect and wake every parked
                             // poll, instead of leaving some asleep until their timeout.
-                            tracing::warn!(%gateway, skipped = k, "link fell behind; closing it");
+                            tracing::warn!(link = link.id, skipped = k, "link fell behind; closing it");
                             break;
                         }
                         Err(RecvError::Closed) => break,
                     },
                 }
             }
-            tracing::info!(%gateway, "gateway link closed");
+            tracing::info!(link = link.id, "gateway link closed");
         };
         Ok(Response::new(Box::pin(out)))
     }

@@ -5,6 +5,8 @@
 //! - [`topology`]: the learned cluster view (membership, leaders) and broker channels.
 //! - [`router`]: sends a request to a partition's leader, retrying until its deadline.
 //! - [`long_poll`]: [`long_poll::LongPollQueue`], where ActivateJobs requests park.
+//! - [`streams`]: [`streams::AggregatedStreams`], job push: StreamActivatedJobs clients
+//!   aggregated by activation properties, registered with every broker link.
 //! - [`link`]: one task per broker keeping the gateway <-> broker link open.
 //! - [`service`]: the `gateway_protocol.Gateway` and `courier.v1.Jobs` services.
 //! - [`metrics`]: Prometheus metrics in the default registry.
@@ -18,6 +20,7 @@ pub mod long_poll;
 pub mod metrics;
 pub mod router;
 pub mod service;
+pub mod streams;
 pub mod topology;
 
 pub use error::GatewayError;
@@ -52,6 +55,9 @@ pub struct GatewayConfig {
     pub default_request_timeout: Duration,
     /// How often topology is refreshed from the brokers (default 500 ms).
     pub topology_refresh: Duration,
+    /// Pushed jobs buffered per StreamActivatedJobs client before it counts as full
+    /// (default 32, Zeebe clients' default maxJobsActive).
+    pub client_buffer: usize,
 }
 
 impl Default for GatewayConfig {
@@ -61,6 +67,7 @@ impl Default for GatewayConfig {
             default_long_poll: Duration::from_secs(10),
             default_request_timeout: Duration::from_secs(15),
             topology_refresh: Duration::from_millis(500),
+            client_buffer: 32,
         }
     }
 }
@@ -77,6 +84,7 @@ pub async fn serve(
     let stop = shutdown.child_token();
     let tasks = TaskTracker::new();
     let queue = long_poll::LongPollQueue::new();
+    let streams = streams::AggregatedStreams::new(config.client_buffer);
     let gateway_id = format!("gateway-{:016x}", rand::random::<u64>());
     tracing::info!(
         gateway_id,
@@ -88,20 +96,31 @@ pub async fn serve(
     let t = topology.clone();
     let (every, token) = (config.topology_refresh, stop.clone());
     tasks.spawn(async move { t.run(every, token).await });
-    let links = link::BrokerLink::new(topology.clone(), queue.clone(), gateway_id, stop.clone());
+    let links = link::BrokerLink::new(
+        topology.clone(),
+        queue.clone(),
+        streams.clone(),
+        gateway_id,
+        stop.clone(),
+    );
     tasks.spawn(links.supervise(tasks.clone()));
 
     let shared = service::Shared::new(
         topology,
         queue,
+        streams,
         config.default_long_poll,
         config.default_request_timeout,
         stop.clone(),
     );
+    // Zeebe's clients (the Node.js SDK always) compress requests with gzip; answers
+    // stay uncompressed, where compression would only add latency.
     let gateway = GatewayServer::new(service::GatewayService(shared.clone()))
-        .max_decoding_message_size(MAX_CLIENT_MESSAGE);
-    let jobs =
-        JobsServer::new(service::JobsService(shared)).max_decoding_message_size(MAX_CLIENT_MESSAGE);
+        .max_decoding_message_size(MAX_CLIENT_MESSAGE)
+        .accept_compressed(tonic::codec::CompressionEncoding::Gzip);
+    let jobs = JobsServer::new(service::JobsService(shared))
+        .max_decoding_message_size(MAX_CLIENT_MESSAGE)
+        .accept_compressed(tonic::codec::CompressionEncoding::Gzip);
 
     let incoming = TcpListenerStream::new(listener).then(|accepted| async move {
         match &accepted {

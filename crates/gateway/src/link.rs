@@ -1,22 +1,24 @@
 //! The long-lived gateway <-> broker links: one task per broker keeps a `Link` stream
 //! open and handles what the broker sends on it.
 //!
-//! New message kinds (job pushes, capacity reports) go into [`BrokerLink::handle`]
-//! and, for the gateway's side, through the sender kept in [`Connected`].
+//! The gateway's side of each link is a queue owned by [`AggregatedStreams`]: it
+//! starts with the hello and the registration of every aggregated stream, and carries
+//! registration changes, yields, and this task's acks to the broker's pushes.
 
 use crate::backoff::Backoff;
 use crate::long_poll::LongPollQueue;
 use crate::metrics;
+use crate::router::MAX_BROKER_MESSAGE;
+use crate::streams::{AggregatedStreams, AttachedLink};
 use crate::topology::Topology;
 use courier_proto::cluster::{
     broker_client::BrokerClient, broker_message, gateway_message, BrokerMessage, GatewayHello,
-    GatewayMessage,
+    GatewayMessage, PushJob,
 };
 use courier_proto::domain::NodeId;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -29,37 +31,38 @@ const RECONNECT_CAP: Duration = Duration::from_secs(2);
 const STABLE_LINK: Duration = Duration::from_secs(5);
 /// Bound on opening a link (connection plus the broker's response headers).
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
-/// Messages the gateway may queue towards one broker before senders wait.
-const OUTBOUND_BUFFER: usize = 64;
 
 /// What every link task shares.
 #[derive(Clone)]
 pub struct BrokerLink {
     topology: Arc<Topology>,
     queue: Arc<LongPollQueue>,
+    streams: Arc<AggregatedStreams>,
     /// Unique per gateway process, so a broker can tell a restarted gateway apart.
     gateway_id: String,
     shutdown: CancellationToken,
 }
 
-/// An open link: the broker's messages, and the sender that keeps the gateway's side
-/// of the stream open (dropping it would end the stream).
+/// An open link: the broker's messages, and the gateway's side of the stream
+/// (dropping it detaches the link and ends the stream).
 struct Connected {
     inbound: tonic::Streaming<BrokerMessage>,
-    _outbound: mpsc::Sender<GatewayMessage>,
+    outbound: AttachedLink,
 }
 
 impl BrokerLink {
-    /// Link tasks over `topology`, feeding notices into `queue`.
+    /// Link tasks over `topology`, feeding notices into `queue`, pushes into `streams`.
     pub fn new(
         topology: Arc<Topology>,
         queue: Arc<LongPollQueue>,
+        streams: Arc<AggregatedStreams>,
         gateway_id: String,
         shutdown: CancellationToken,
     ) -> Self {
         BrokerLink {
             topology,
             queue,
+            streams,
             gateway_id,
             shutdown,
         }
@@ -129,36 +132,44 @@ impl BrokerLink {
             .topology
             .node_channel(node)
             .ok_or_else(|| "no usable address".to_string())?;
-        let (tx, rx) = mpsc::channel(OUTBOUND_BUFFER);
         let hello = GatewayMessage {
             kind: Some(gateway_message::Kind::Hello(GatewayHello {
                 gateway_id: self.gateway_id.clone(),
             })),
         };
-        tx.send(hello)
-            .await
-            .map_err(|_| "link closed before hello".to_string())?;
-        let mut client = BrokerClient::new(channel);
+        // Attached before the call: registration changes while it opens queue up
+        // behind the hello and the initial registrations instead of being missed.
+        let (outbound, rx) = self.streams.attach_link(node, hello);
+        // Pushed jobs carry up to 4 MiB of variables, tonic's default limit.
+        let mut client = BrokerClient::new(channel).max_decoding_message_size(MAX_BROKER_MESSAGE);
         let call = client.link(ReceiverStream::new(rx));
         match tokio::time::timeout(OPEN_TIMEOUT, call).await {
             Ok(Ok(response)) => Ok(Connected {
                 inbound: response.into_inner(),
-                _outbound: tx,
+                outbound,
             }),
             Ok(Err(status)) => Err(status.to_string()),
             Err(_) => Err("timed out".to_string()),
         }
     }
 
-    /// Handles the broker's messages until the link ends or shutdown.
+    /// Handles the broker's messages until the link ends, must be reset, or shutdown.
     async fn serve(&self, node: NodeId, mut link: Connected) {
         loop {
             let next = tokio::select! {
                 next = link.inbound.message() => next,
+                _ = link.outbound.broken().cancelled() => {
+                    tracing::warn!(node, "broker link reset: it stopped taking messages");
+                    return;
+                }
                 _ = self.shutdown.cancelled() => return,
             };
             match next {
-                Ok(Some(msg)) => self.handle(node, msg),
+                Ok(Some(msg)) => {
+                    if let Some(reply) = self.handle(node, msg) {
+                        link.outbound.send(reply, "ack");
+                    }
+                }
                 Ok(None) => {
                     tracing::warn!(node, "broker closed the link");
                     return;
@@ -171,14 +182,14 @@ impl BrokerLink {
         }
     }
 
-    /// One message from a broker. Never fails: a message that makes no sense is
-    /// logged and dropped, the link stays up.
-    fn handle(&self, node: NodeId, msg: BrokerMessage) {
+    /// One message from a broker, and the answer to send back if it needs one. Never
+    /// fails: a message that makes no sense is logged and dropped, the link stays up.
+    fn handle(&self, node: NodeId, msg: BrokerMessage) -> Option<GatewayMessage> {
         match msg.kind {
             Some(broker_message::Kind::JobsAvailable(j)) => {
                 if j.r#type.is_empty() {
                     tracing::warn!(node, "dropping JobsAvailable without a type");
-                    return;
+                    return None;
                 }
                 tracing::trace!(
                     node,
@@ -187,9 +198,35 @@ impl BrokerLink {
                     "jobs available"
                 );
                 self.queue.notify(&j.r#type);
+                None
             }
+            Some(broker_message::Kind::Push(p)) => self.push(node, p),
             // A kind this gateway does not know (a newer broker) decodes as None.
-            None => tracing::warn!(node, "dropping a link message of unknown kind"),
+            None => {
+                tracing::warn!(node, "dropping a link message of unknown kind");
+                None
+            }
         }
+    }
+
+    fn push(&self, node: NodeId, p: PushJob) -> Option<GatewayMessage> {
+        let span = tracing::debug_span!(
+            "push",
+            node,
+            stream_id = p.stream_id,
+            push_id = p.push_id,
+            partition = p.partition_id,
+            job_key = p.job.as_ref().map(|j| j.key),
+        );
+        let _entered = span.enter();
+        let ack = self.streams.push(node, p)?;
+        if ack.accepted {
+            tracing::trace!("pushed job handed to a client");
+        } else {
+            tracing::debug!(reason = ack.reason, "pushed job refused");
+        }
+        Some(GatewayMessage {
+            kind: Some(gateway_message::Kind::PushAck(ack)),
+        })
     }
 }

@@ -15,6 +15,13 @@ struct Metrics {
     broker_retries: IntCounterVec,
     broker_links: IntGauge,
     jobs_activated: IntCounter,
+    aggregated_streams: IntGauge,
+    stream_clients: IntGauge,
+    jobs_pushed: IntCounter,
+    push_rejected: IntCounterVec,
+    push_try_next: IntCounter,
+    jobs_yielded: IntCounterVec,
+    link_messages_dropped: IntCounterVec,
 }
 
 static METRICS: LazyLock<Option<Metrics>> = LazyLock::new(|| match build() {
@@ -64,15 +71,59 @@ fn build() -> prometheus::Result<Metrics> {
             "courier_gateway_jobs_activated_total",
             "Jobs handed to workers through ActivateJobs",
         )?,
+        aggregated_streams: IntGauge::new(
+            "courier_gateway_aggregated_streams",
+            "Aggregated job streams (client streams with equal activation properties)",
+        )?,
+        stream_clients: IntGauge::new(
+            "courier_gateway_stream_clients",
+            "StreamActivatedJobs clients connected",
+        )?,
+        jobs_pushed: IntCounter::new(
+            "courier_gateway_jobs_pushed_total",
+            "Jobs pushed by brokers and handed to a stream client",
+        )?,
+        push_rejected: IntCounterVec::new(
+            Opts::new(
+                "courier_gateway_push_rejected_total",
+                "Pushed jobs refused, by reason (no_client, unknown_stream, clients_full, malformed)",
+            ),
+            &["reason"],
+        )?,
+        push_try_next: IntCounter::new(
+            "courier_gateway_push_try_next_total",
+            "Stream clients skipped because they could not take a pushed job",
+        )?,
+        jobs_yielded: IntCounterVec::new(
+            Opts::new(
+                "courier_gateway_jobs_yielded_total",
+                "YieldJob sent for accepted jobs whose client left, by why no other client took them",
+            ),
+            &["reason"],
+        )?,
+        link_messages_dropped: IntCounterVec::new(
+            Opts::new(
+                "courier_gateway_link_messages_dropped_total",
+                "Messages to brokers that could not be queued (no link, or its queue full), by kind",
+            ),
+            &["kind"],
+        )?,
     };
     let registry = prometheus::default_registry();
-    let collectors: [Box<dyn prometheus::core::Collector>; 6] = [
+    let collectors: [Box<dyn prometheus::core::Collector>; 13] = [
         Box::new(m.requests.clone()),
         Box::new(m.request_duration.clone()),
         Box::new(m.long_poll_parked.clone()),
         Box::new(m.broker_retries.clone()),
         Box::new(m.broker_links.clone()),
         Box::new(m.jobs_activated.clone()),
+        Box::new(m.aggregated_streams.clone()),
+        Box::new(m.stream_clients.clone()),
+        Box::new(m.jobs_pushed.clone()),
+        Box::new(m.push_rejected.clone()),
+        Box::new(m.push_try_next.clone()),
+        Box::new(m.jobs_yielded.clone()),
+        Box::new(m.link_messages_dropped.clone()),
     ];
     for c in collectors {
         if let Err(e) = registry.register(c) {
@@ -150,5 +201,54 @@ pub fn long_poll_parked(delta: i64) {
 pub fn broker_links(delta: i64) {
     if let Some(m) = METRICS.as_ref() {
         m.broker_links.add(delta);
+    }
+}
+
+/// Adds `delta` to the aggregated streams gauge.
+pub fn aggregated_streams(delta: i64) {
+    if let Some(m) = METRICS.as_ref() {
+        m.aggregated_streams.add(delta);
+    }
+}
+
+/// Adds `delta` to the stream clients gauge.
+pub fn stream_clients(delta: i64) {
+    if let Some(m) = METRICS.as_ref() {
+        m.stream_clients.add(delta);
+    }
+}
+
+/// Counts a pushed job handed to a client.
+pub fn job_pushed() {
+    if let Some(m) = METRICS.as_ref() {
+        m.jobs_pushed.inc();
+    }
+}
+
+/// Counts a refused push; `reason` is the ack's reason.
+pub fn push_rejected(reason: &'static str) {
+    if let Some(m) = METRICS.as_ref() {
+        m.push_rejected.with_label_values(&[reason]).inc();
+    }
+}
+
+/// Counts a client skipped because it could not take a pushed job.
+pub fn push_try_next() {
+    if let Some(m) = METRICS.as_ref() {
+        m.push_try_next.inc();
+    }
+}
+
+/// Counts a YieldJob sent; `reason` says why no other client took the job.
+pub fn job_yielded(reason: &'static str) {
+    if let Some(m) = METRICS.as_ref() {
+        m.jobs_yielded.with_label_values(&[reason]).inc();
+    }
+}
+
+/// Counts a message to a broker that could not be queued; `kind` names the message.
+pub fn link_message_dropped(kind: &'static str) {
+    if let Some(m) = METRICS.as_ref() {
+        m.link_messages_dropped.with_label_values(&[kind]).inc();
     }
 }

@@ -6,6 +6,7 @@ use crate::error::GatewayError;
 use crate::long_poll::LongPollQueue;
 use crate::metrics::{self, RequestObserver};
 use crate::router::{instant_after, request_deadline, Router};
+use crate::streams::AggregatedStreams;
 use crate::topology::{ClusterView, Topology};
 use courier_proto::convert;
 use courier_proto::courier_v1::{self as v1, jobs_server::Jobs};
@@ -59,6 +60,7 @@ pub struct Shared {
     topology: Arc<Topology>,
     router: Router,
     queue: Arc<LongPollQueue>,
+    streams: Arc<AggregatedStreams>,
     default_long_poll: Duration,
     default_request_timeout: Duration,
     activate_start: RoundRobin,
@@ -71,6 +73,7 @@ impl Shared {
     pub fn new(
         topology: Arc<Topology>,
         queue: Arc<LongPollQueue>,
+        streams: Arc<AggregatedStreams>,
         default_long_poll: Duration,
         default_request_timeout: Duration,
         shutdown: CancellationToken,
@@ -79,6 +82,7 @@ impl Shared {
             router: Router::new(topology.clone(), shutdown.clone()),
             topology,
             queue,
+            streams,
             default_long_poll,
             default_request_timeout,
             activate_start: RoundRobin::default(),
@@ -306,10 +310,14 @@ pub struct GatewayService(pub Arc<Shared>);
 pub type ActivateJobsStream =
     Pin<Box<dyn Stream<Item = Result<gw::ActivateJobsResponse, Status>> + Send + 'static>>;
 
+/// The stream type of StreamActivatedJobs: pushed jobs until the client leaves or the
+/// gateway shuts down.
+pub type JobStream = Pin<Box<dyn Stream<Item = Result<gw::ActivatedJob, Status>> + Send + 'static>>;
+
 #[tonic::async_trait]
 impl Gateway for GatewayService {
     type ActivateJobsStream = ActivateJobsStream;
-    type StreamActivatedJobsStream = futures::stream::Empty<Result<gw::ActivatedJob, Status>>;
+    type StreamActivatedJobsStream = JobStream;
 
     async fn activate_jobs(
         &self,
@@ -353,12 +361,36 @@ impl Gateway for GatewayService {
 
     async fn stream_activated_jobs(
         &self,
-        _request: tonic::Request<gw::StreamActivatedJobsRequest>,
+        request: tonic::Request<gw::StreamActivatedJobsRequest>,
     ) -> Result<Response<Self::StreamActivatedJobsStream>, Status> {
-        RequestObserver::start("StreamActivatedJobs").finish(tonic::Code::Unimplemented);
-        Err(Status::unimplemented(
-            "job push is not available on this gateway yet",
-        ))
+        let observer = RequestObserver::start("StreamActivatedJobs");
+        let props = match convert::stream_request(request.get_ref()) {
+            Ok(p) => p,
+            Err(m) => {
+                observer.finish(tonic::Code::InvalidArgument);
+                return Err(Status::invalid_argument(m));
+            }
+        };
+        let (job_type, worker) = (props.job_type.clone(), props.worker.clone());
+        let client = self.0.streams.join(props);
+        tracing::debug!(
+            stream_id = client.stream_id(),
+            job_type,
+            worker,
+            "stream client joined"
+        );
+        // Tonic drops the stream when the client goes away, and with it the client
+        // (see `ClientStream`); shutdown ends it cleanly, then counts it as OK.
+        let end = futures::stream::once(async move {
+            observer.finish(tonic::Code::Ok);
+            None
+        });
+        let jobs = client
+            .map(|job| Some(Ok(job)))
+            .take_until(self.0.shutdown.clone().cancelled_owned())
+            .chain(end)
+            .filter_map(std::future::ready);
+        Ok(Response::new(Box::pin(jobs)))
     }
 
     async fn complete_job(

@@ -108,7 +108,8 @@ async fn answers_what_it_can_without_brokers() {
         .stream_activated_jobs(gw::StreamActivatedJobsRequest::default())
         .await
         .unwrap_err();
-    assert_eq!(e.code(), Code::Unimplemented);
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().contains("type"), "{e:?}");
 
     let e = jobs
         .create_jobs(v1::CreateJobsRequest { jobs: vec![] })
@@ -145,6 +146,31 @@ async fn shutdown_ends_parked_long_polls() {
     assert!(!poll.is_finished(), "the poll must be parked");
     token.cancel();
     let ended = tokio::time::timeout(Duration::from_secs(5), poll).await;
+    assert!(matches!(ended, Ok(Ok(Ok(None)))), "{ended:?}");
+    let stopped = tokio::time::timeout(Duration::from_secs(5), server).await;
+    assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
+}
+
+#[tokio::test]
+async fn a_job_stream_stays_open_until_shutdown() {
+    let (channel, token, server) = start().await;
+    let mut gateway = GatewayClient::new(channel);
+    let request = gw::StreamActivatedJobsRequest {
+        r#type: "t".into(),
+        worker: "w".into(),
+        timeout: 1000,
+        ..Default::default()
+    };
+    let mut s = gateway
+        .stream_activated_jobs(request)
+        .await
+        .unwrap()
+        .into_inner();
+    let next = tokio::spawn(async move { s.message().await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!next.is_finished(), "the stream must stay open");
+    token.cancel();
+    let ended = tokio::time::timeout(Duration::from_secs(5), next).await;
     assert!(matches!(ended, Ok(Ok(Ok(None)))), "{ended:?}");
     let stopped = tokio::time::timeout(Duration::from_secs(5), server).await;
     assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");

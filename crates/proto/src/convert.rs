@@ -201,6 +201,30 @@ impl From<JobView> for v1::Job {
     }
 }
 
+impl From<&ActivationProps> for crate::cluster::StreamProps {
+    fn from(p: &ActivationProps) -> Self {
+        crate::cluster::StreamProps {
+            r#type: p.job_type.clone(),
+            worker: p.worker.clone(),
+            timeout: p.timeout_ms,
+            fetch_variable: p.fetch_variables.clone(),
+            tenant_ids: p.tenant_ids.clone(),
+        }
+    }
+}
+
+/// Stream properties a gateway registered, checked like a worker's request: a peer's
+/// malformed registration is refused, never trusted.
+pub fn stream_props(p: &crate::cluster::StreamProps) -> Result<ActivationProps, String> {
+    activation_props(
+        &p.r#type,
+        &p.worker,
+        p.timeout,
+        &p.fetch_variable,
+        &p.tenant_ids,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -259,6 +283,27 @@ mod tests {
             ..Default::default()
         };
         assert!(throw_error_request(&r).unwrap_err().contains("errorCode"));
+    }
+
+    #[test]
+    fn stream_props_round_trip_and_are_checked() {
+        let r = gw::StreamActivatedJobsRequest {
+            r#type: "t".into(),
+            worker: "".into(),
+            timeout: 1000,
+            fetch_variable: vec!["b".into(), "a".into(), "b".into()],
+            tenant_ids: vec![],
+        };
+        let props = stream_request(&r).unwrap();
+        assert_eq!(props.worker, "default");
+        assert_eq!(
+            props.fetch_variables,
+            vec!["a".to_string(), "b".to_string()]
+        );
+        let wire = crate::cluster::StreamProps::from(&props);
+        assert_eq!(stream_props(&wire).unwrap(), props);
+        let bad = crate::cluster::StreamProps { timeout: 0, ..wire };
+        assert!(stream_props(&bad).unwrap_err().contains("timeout"));
     }
 
     #[test]

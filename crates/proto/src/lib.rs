@@ -20,14 +20,21 @@ pub mod gateway_protocol {
     tonic::include_proto!("gateway_protocol");
 }
 
-/// Courier's producer API.
-#[allow(missing_docs, clippy::all)]
-pub mod courier_v1 {
-    tonic::include_proto!("courier.v1");
+/// Courier's own packages, nested as in the .proto files so generated references
+/// between packages (`super::super::gateway_protocol`) resolve.
+pub mod courier {
+    /// Courier's producer API.
+    #[allow(missing_docs, clippy::all)]
+    pub mod v1 {
+        tonic::include_proto!("courier.v1");
+    }
+
+    /// Traffic inside a cluster.
+    #[allow(missing_docs, clippy::all)]
+    pub mod cluster {
+        tonic::include_proto!("courier.cluster");
+    }
 }
 
-/// Traffic inside a cluster.
-#[allow(missing_docs, clippy::all)]
-pub mod cluster {
-    tonic::include_proto!("courier.cluster");
-}
+pub use courier::cluster;
+pub use courier::v1 as courier_v1;

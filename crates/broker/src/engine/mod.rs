@@ -28,19 +28,79 @@ pub struct Batch {
 /// A command as written to the log.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LogCommand {
-    /// A client's command.
-    Client(Command),
+    /// A client's command, with the leader's push decisions for jobs it makes runnable.
+    Client { cmd: Command, push: Vec<PushTarget> },
     /// Activations the leader's timer found past their deadline; re-checked on apply.
-    TimeOut(Vec<JobKey>),
+    TimeOut {
+        keys: Vec<JobKey>,
+        push: Vec<PushTarget>,
+    },
     /// Failed jobs the leader's timer found past their retry back-off; re-checked on apply.
-    Recur(Vec<JobKey>),
+    Recur {
+        keys: Vec<JobKey>,
+        push: Vec<PushTarget>,
+    },
+    /// Every recipient refused a pushed job: it becomes activatable again, unless the
+    /// activation named by `lease` is no longer the job's current one.
+    Yield { key: JobKey, lease: u64 },
+    /// Activate and push up to `target.max` of the oldest activatable jobs matching the
+    /// target's stream (a stream registered after they were created).
+    Backfill { target: PushTarget },
+}
+
+impl LogCommand {
+    /// A client command with no push decision.
+    pub fn client(cmd: Command) -> LogCommand {
+        LogCommand::Client {
+            cmd,
+            push: Vec::new(),
+        }
+    }
+}
+
+/// Which aggregated stream on which gateway link a job is pushed to. Only the leader
+/// acts on the recipient; apply uses the properties, so every replica activates alike.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Recipient {
+    /// The broker-local id of the gateway link.
+    pub link: u64,
+    /// The gateway's id of the aggregated stream.
+    pub stream_id: u64,
+}
+
+/// The leader's decision, written into a command, to push up to `max` jobs of the
+/// stream's type and tenants that the command makes runnable.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PushTarget {
+    pub props: ActivationProps,
+    pub recipient: Recipient,
+    pub max: u32,
+}
+
+impl PushTarget {
+    fn takes(&self, job: &Job) -> bool {
+        self.props.job_type == job.job_type && self.props.tenant_ids.contains(&job.tenant_id)
+    }
+}
+
+/// A job activated for a stream, to push after apply.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Push {
+    pub target: PushTarget,
+    pub lease: u64,
+    pub job: ActivatedJob,
+    /// Whether the job was created by this entry (for create-to-push latency).
+    pub created: bool,
 }
 
 /// What the leader does after applying an entry.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Effect {
     /// Jobs of this type and tenant became activatable: wake parked long polls.
     JobsAvailable { job_type: String, tenant_id: String },
+    /// A job was activated for a stream: push it to the recipient. Boxed: it carries
+    /// the job's documents.
+    Push(Box<Push>),
 }
 
 /// A job's lifecycle state while it exists. Completed and canceled jobs are removed.
@@ -234,7 +294,13 @@ impl State {
             .map(|c| self.apply(batch.ts, c, &mut effects, changes))
             .collect();
         let mut seen = BTreeSet::new();
-        effects.retain(|e| seen.insert(e.clone()));
+        effects.retain(|e| match e {
+            Effect::JobsAvailable {
+                job_type,
+                tenant_id,
+            } => seen.insert((job_type.clone(), tenant_id.clone())),
+            Effect::Push(_) => true,
+        });
         Applied { replies, effects }
     }
 
@@ -247,28 +313,57 @@ impl State {
         changes: &mut Changes,
     ) -> Result<Reply, BrokerError> {
         match cmd {
-            LogCommand::Client(c) => self.apply_client(ts, c, effects, changes),
-            LogCommand::TimeOut(keys) => {
+            LogCommand::Client { cmd, push } => {
+                let mut budget = Budget::new(push);
+                self.apply_client(ts, cmd, &mut budget, effects, changes)
+            }
+            LogCommand::TimeOut { keys, push } => {
+                let mut budget = Budget::new(push);
                 for key in keys {
                     let due = matches!(
                         self.jobs.get(key).map(|j| &j.status),
                         Some(JobStatus::Activated { deadline, .. }) if *deadline <= ts
                     );
                     if due {
-                        self.make_activatable(*key, effects, changes);
+                        self.runnable(ts, *key, &mut budget, false, effects, changes);
                     }
                 }
                 Ok(Reply::Done)
             }
-            LogCommand::Recur(keys) => {
+            LogCommand::Recur { keys, push } => {
+                let mut budget = Budget::new(push);
                 for key in keys {
                     let due = matches!(
                         self.jobs.get(key).map(|j| &j.status),
                         Some(JobStatus::BackOff { retry_at }) if *retry_at <= ts
                     );
                     if due {
-                        self.make_activatable(*key, effects, changes);
+                        self.runnable(ts, *key, &mut budget, false, effects, changes);
                     }
+                }
+                Ok(Reply::Done)
+            }
+            LogCommand::Yield { key, lease } => {
+                let current = matches!(
+                    self.jobs.get(key).map(|j| &j.status),
+                    Some(JobStatus::Activated { lease: l, .. }) if l == lease
+                );
+                if current {
+                    // Not pushed again at once: it waits for a poll or a stream with room.
+                    self.runnable(ts, *key, &mut Budget::default(), false, effects, changes);
+                }
+                Ok(Reply::Done)
+            }
+            LogCommand::Backfill { target } => {
+                let jobs = self.activate(ts, &target.props, target.max, changes);
+                for job in jobs {
+                    let lease = self.lease_of(job.key);
+                    effects.push(Effect::Push(Box::new(Push {
+                        target: target.clone(),
+                        lease,
+                        job,
+                        created: false,
+                    })));
                 }
                 Ok(Reply::Done)
             }
@@ -279,13 +374,14 @@ impl State {
         &mut self,
         ts: i64,
         cmd: &Command,
+        budget: &mut Budget,
         effects: &mut Vec<Effect>,
         changes: &mut Changes,
     ) -> Result<Reply, BrokerError> {
         match cmd {
             Command::Create(jobs) => Ok(Reply::Created(
                 jobs.iter()
-                    .map(|j| self.create(ts, j, effects, changes))
+                    .map(|j| self.create(ts, j, budget, effects, changes))
                     .collect(),
             )),
             Command::Activate { props, max_jobs } => Ok(Reply::Activated(
@@ -320,7 +416,7 @@ impl State {
                     };
                     self.reindex(*key);
                 } else {
-                    self.make_activatable(*key, effects, changes);
+                    self.runnable(ts, *key, budget, false, effects, changes);
                 }
                 Ok(Reply::Done)
             }
@@ -356,7 +452,7 @@ impl State {
                 let incident = job.status == JobStatus::Incident;
                 changes.insert(*key);
                 if incident {
-                    self.make_activatable(*key, effects, changes);
+                    self.runnable(ts, *key, budget, false, effects, changes);
                 }
                 Ok(Reply::Done)
             }
@@ -385,6 +481,7 @@ impl State {
         &mut self,
         ts: i64,
         new: &NewJob,
+        budget: &mut Budget,
         effects: &mut Vec<Effect>,
         changes: &mut Changes,
     ) -> JobKey {
@@ -406,7 +503,7 @@ impl State {
                 error_code: String::new(),
             },
         );
-        self.make_activatable(key, effects, changes);
+        self.runnable(ts, key, budget, true, effects, changes);
         key
     }
 
@@ -465,8 +562,42 @@ impl State {
         Some(activated)
     }
 
-    /// Puts an existing job at the back of its type's queue and announces it.
-    fn make_activatable(&mut self, key: JobKey, effects: &mut Vec<Effect>, changes: &mut Changes) {
+    /// A job became runnable: activated for a push target of the command when one
+    /// matches and has room, otherwise queued and announced to long polls.
+    fn runnable(
+        &mut self,
+        ts: i64,
+        key: JobKey,
+        budget: &mut Budget,
+        created: bool,
+        effects: &mut Vec<Effect>,
+        changes: &mut Changes,
+    ) {
+        self.make_activatable(key, changes);
+        let Some(job) = self.jobs.get(&key) else {
+            return;
+        };
+        match budget.take(job) {
+            Some(target) => {
+                if let Some(activated) = self.activate_one(ts, key, &target.props, changes) {
+                    let lease = self.lease_of(key);
+                    effects.push(Effect::Push(Box::new(Push {
+                        target,
+                        lease,
+                        job: activated,
+                        created,
+                    })));
+                }
+            }
+            None => effects.push(Effect::JobsAvailable {
+                job_type: job.job_type.clone(),
+                tenant_id: job.tenant_id.clone(),
+            }),
+        }
+    }
+
+    /// Puts an existing job at the back of its type's queue.
+    fn make_activatable(&mut self, key: JobKey, changes: &mut Changes) {
         self.unindex(key);
         self.counters.last_seq += 1;
         let seq = self.counters.last_seq;
@@ -474,12 +605,24 @@ impl State {
             return;
         };
         job.status = JobStatus::Activatable { seq };
-        effects.push(Effect::JobsAvailable {
-            job_type: job.job_type.clone(),
-            tenant_id: job.tenant_id.clone(),
-        });
         self.reindex(key);
         changes.insert(key);
+    }
+
+    fn lease_of(&self, key: JobKey) -> u64 {
+        match self.jobs.get(&key).map(|j| &j.status) {
+            Some(JobStatus::Activated { lease, .. }) => *lease,
+            _ => 0,
+        }
+    }
+
+    /// Whether jobs of this type are waiting for any of these tenants.
+    pub fn has_activatable(&self, job_type: &str, tenants: &[String]) -> bool {
+        tenants.iter().any(|t| {
+            self.queues
+                .get(&(job_type.to_string(), t.clone()))
+                .is_some_and(|q| !q.is_empty())
+        })
     }
 
     fn remove(&mut self, key: JobKey, changes: &mut Changes) {
@@ -548,6 +691,30 @@ impl State {
             }
             JobStatus::Incident | JobStatus::ErrorThrown => {}
         }
+    }
+}
+
+/// The push targets of one command and how many more jobs each may take.
+#[derive(Default)]
+struct Budget {
+    slots: Vec<(PushTarget, u32)>,
+}
+
+impl Budget {
+    fn new(targets: &[PushTarget]) -> Self {
+        Budget {
+            slots: targets.iter().map(|t| (t.clone(), t.max)).collect(),
+        }
+    }
+
+    /// The first target that takes this job and has room, using up one place.
+    fn take(&mut self, job: &Job) -> Option<PushTarget> {
+        let (target, left) = self
+            .slots
+            .iter_mut()
+            .find(|(t, left)| *left > 0 && t.takes(job))?;
+        *left -= 1;
+        Some(target.clone())
     }
 }
 

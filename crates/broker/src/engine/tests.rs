@@ -36,7 +36,7 @@ fn available(t: &str) -> Effect {
 
 /// Applies one client command at `ts`, returning reply, effects and changes.
 fn run(s: &mut State, ts: i64, c: Command) -> (Result<Reply, BrokerError>, Vec<Effect>, Changes) {
-    run_log(s, ts, LogCommand::Client(c))
+    run_log(s, ts, LogCommand::client(c))
 }
 
 fn run_log(
@@ -335,9 +335,23 @@ fn fail_with_backoff_waits_then_recur_makes_it_runnable() {
     assert_eq!(s.due_retries(T0 + 104, 10), vec![]);
     assert_eq!(s.due_retries(T0 + 105, 10), vec![k]);
     // A Recur applied before its time (a stale timer) is a no-op.
-    let (_, effects, changes) = run_log(&mut s, T0 + 50, LogCommand::Recur(vec![k]));
+    let (_, effects, changes) = run_log(
+        &mut s,
+        T0 + 50,
+        LogCommand::Recur {
+            keys: vec![k],
+            push: vec![],
+        },
+    );
     assert!(effects.is_empty() && changes.is_empty());
-    let (reply, effects, changes) = run_log(&mut s, T0 + 105, LogCommand::Recur(vec![k]));
+    let (reply, effects, changes) = run_log(
+        &mut s,
+        T0 + 105,
+        LogCommand::Recur {
+            keys: vec![k],
+            push: vec![],
+        },
+    );
     assert_eq!(reply, Ok(Reply::Done));
     assert_eq!(effects, vec![available("a")]);
     assert_eq!(changes, keys(&[k]));
@@ -396,9 +410,23 @@ fn activation_timeout_makes_the_job_runnable_again() {
     activate(&mut s, T0, "a", 1); // deadline T0 + 1000
     assert_eq!(s.due_deadlines(T0 + 999, 10), vec![]);
     assert_eq!(s.due_deadlines(T0 + 1000, 10), vec![k]);
-    let (_, effects, changes) = run_log(&mut s, T0 + 999, LogCommand::TimeOut(vec![k]));
+    let (_, effects, changes) = run_log(
+        &mut s,
+        T0 + 999,
+        LogCommand::TimeOut {
+            keys: vec![k],
+            push: vec![],
+        },
+    );
     assert!(effects.is_empty() && changes.is_empty(), "not yet due");
-    let (reply, effects, changes) = run_log(&mut s, T0 + 1000, LogCommand::TimeOut(vec![k]));
+    let (reply, effects, changes) = run_log(
+        &mut s,
+        T0 + 1000,
+        LogCommand::TimeOut {
+            keys: vec![k],
+            push: vec![],
+        },
+    );
     assert_eq!(reply, Ok(Reply::Done));
     assert_eq!(effects, vec![available("a")]);
     assert_eq!(changes, keys(&[k]));
@@ -434,7 +462,14 @@ fn update_timeout_moves_the_deadline_from_now() {
     assert_eq!(s.next_deadline(), Some(T0 + 10_500));
     assert_eq!(s.due_deadlines(T0 + 1000, 10), vec![]);
     // The old deadline no longer times the job out.
-    let (_, _, changes) = run_log(&mut s, T0 + 1000, LogCommand::TimeOut(vec![k]));
+    let (_, _, changes) = run_log(
+        &mut s,
+        T0 + 1000,
+        LogCommand::TimeOut {
+            keys: vec![k],
+            push: vec![],
+        },
+    );
     assert!(changes.is_empty());
 }
 
@@ -511,9 +546,9 @@ fn a_batch_answers_each_command_in_order_and_rejections_change_nothing() {
         &Batch {
             ts: T0,
             commands: vec![
-                LogCommand::Client(Command::Create(vec![new_job("a")])),
-                LogCommand::Client(Command::Cancel { key: missing }),
-                LogCommand::Client(Command::Activate {
+                LogCommand::client(Command::Create(vec![new_job("a")])),
+                LogCommand::client(Command::Cancel { key: missing }),
+                LogCommand::client(Command::Activate {
                     props: props("a", 10),
                     max_jobs: 5,
                 }),
@@ -551,4 +586,318 @@ fn state_rebuilt_from_its_jobs_has_the_same_indexes() {
         activate(&mut s, T0, "a", 5),
         "both replicas activate the same jobs with the same leases"
     );
+}
+
+// ---- Job push: inline activation at every runnable moment, leased yields, back-fill.
+
+fn target(t: &str, max: u32) -> PushTarget {
+    let mut p = props(t, 30_000);
+    p.worker = "streamer".into();
+    PushTarget {
+        props: p,
+        recipient: Recipient {
+            link: 7,
+            stream_id: 3,
+        },
+        max,
+    }
+}
+
+fn with_push(cmd: Command, push: Vec<PushTarget>) -> LogCommand {
+    LogCommand::Client { cmd, push }
+}
+
+fn pushes(effects: &[Effect]) -> Vec<(JobKey, u64)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Push(p) => Some((p.job.key, p.lease)),
+            Effect::JobsAvailable { .. } => None,
+        })
+        .collect()
+}
+
+#[test]
+fn create_with_a_stream_activates_and_pushes_in_the_same_entry() {
+    let mut s = State::new(P);
+    let (reply, effects, changes) = run_log(
+        &mut s,
+        T0,
+        with_push(Command::Create(vec![new_job("a")]), vec![target("a", 10)]),
+    );
+    let k = JobKey::new(P, 1);
+    assert_eq!(reply, Ok(Reply::Created(vec![k])));
+    assert_eq!(changes, keys(&[k]));
+    let expected_job = ActivatedJob {
+        key: k,
+        job_type: "a".into(),
+        worker: "streamer".into(),
+        retries: 3,
+        deadline: T0 + 30_000,
+        variables: r#"{"a":1,"b":2}"#.into(),
+        custom_headers: "{}".into(),
+        tenant_id: DEFAULT_TENANT.into(),
+        process: ProcessContext::default(),
+    };
+    assert_eq!(
+        effects,
+        vec![Effect::Push(Box::new(Push {
+            target: target("a", 10),
+            lease: 1,
+            job: expected_job,
+            created: true,
+        }))],
+        "pushed, and no jobs-available notice"
+    );
+    assert_eq!(
+        status(&s, k),
+        JobStatus::Activated {
+            worker: "streamer".into(),
+            deadline: T0 + 30_000,
+            lease: 1
+        }
+    );
+    assert!(
+        activate(&mut s, T0, "a", 10).is_empty(),
+        "not also pollable"
+    );
+}
+
+#[test]
+fn a_target_takes_only_its_type_tenant_and_budget() {
+    let mut s = State::new(P);
+    let mut other_tenant = new_job("a");
+    other_tenant.tenant_id = "acme".into();
+    let (_, effects, _) = run_log(
+        &mut s,
+        T0,
+        with_push(
+            Command::Create(vec![
+                new_job("a"),
+                new_job("a"),
+                new_job("a"),
+                new_job("b"),
+                other_tenant,
+            ]),
+            vec![target("a", 2)],
+        ),
+    );
+    let k = |n| JobKey::new(P, n);
+    assert_eq!(pushes(&effects), vec![(k(1), 1), (k(2), 2)]);
+    assert_eq!(
+        effects
+            .iter()
+            .filter(|e| matches!(e, Effect::JobsAvailable { .. }))
+            .cloned()
+            .collect::<Vec<_>>(),
+        vec![
+            available("a"),
+            available("b"),
+            Effect::JobsAvailable {
+                job_type: "a".into(),
+                tenant_id: "acme".into()
+            }
+        ]
+    );
+    assert!(matches!(status(&s, k(3)), JobStatus::Activatable { .. }));
+}
+
+#[test]
+fn fetch_variables_filter_pushed_jobs() {
+    let mut s = State::new(P);
+    let mut t = target("a", 1);
+    t.props.fetch_variables = vec!["a".into()];
+    let (_, effects, _) = run_log(
+        &mut s,
+        T0,
+        with_push(Command::Create(vec![new_job("a")]), vec![t]),
+    );
+    let Some(Effect::Push(p)) = effects.first() else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(p.job.variables, r#"{"a":1}"#);
+}
+
+#[test]
+fn fail_without_backoff_pushes_again_at_once_but_with_backoff_waits() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    activate(&mut s, T0, "a", 1);
+    let fail = |backoff| Command::Fail {
+        key: k,
+        retries: 2,
+        error_message: "x".into(),
+        retry_backoff_ms: backoff,
+        variables: None,
+    };
+    let (_, effects, _) = run_log(&mut s, T0 + 1, with_push(fail(0), vec![target("a", 1)]));
+    assert_eq!(pushes(&effects), vec![(k, 2)]);
+
+    let (_, effects, _) = run_log(&mut s, T0 + 2, with_push(fail(100), vec![target("a", 1)]));
+    assert!(
+        effects.is_empty(),
+        "in back-off: neither pushed nor announced"
+    );
+    let (_, effects, _) = run_log(
+        &mut s,
+        T0 + 102,
+        LogCommand::Recur {
+            keys: vec![k],
+            push: vec![target("a", 1)],
+        },
+    );
+    assert_eq!(
+        pushes(&effects),
+        vec![(k, 3)],
+        "pushed when the back-off elapsed"
+    );
+}
+
+#[test]
+fn a_timed_out_activation_is_pushed_with_a_new_lease() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    activate(&mut s, T0, "a", 1); // lease 1, deadline T0 + 1000
+    let (_, effects, _) = run_log(
+        &mut s,
+        T0 + 1000,
+        LogCommand::TimeOut {
+            keys: vec![k],
+            push: vec![target("a", 5)],
+        },
+    );
+    assert_eq!(pushes(&effects), vec![(k, 2)]);
+    assert!(
+        matches!(status(&s, k), JobStatus::Activated { lease: 2, deadline, .. } if deadline == T0 + 31_000)
+    );
+}
+
+#[test]
+fn updating_the_retries_of_an_incident_pushes_it() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    activate(&mut s, T0, "a", 1);
+    assert!(run(
+        &mut s,
+        T0,
+        Command::Fail {
+            key: k,
+            retries: 0,
+            error_message: "x".into(),
+            retry_backoff_ms: 0,
+            variables: None,
+        },
+    )
+    .0
+    .is_ok());
+    let (_, effects, _) = run_log(
+        &mut s,
+        T0,
+        with_push(
+            Command::UpdateRetries { key: k, retries: 1 },
+            vec![target("a", 1)],
+        ),
+    );
+    assert_eq!(pushes(&effects), vec![(k, 2)]);
+}
+
+#[test]
+fn a_yield_with_the_current_lease_makes_the_job_pollable_not_pushed() {
+    let mut s = State::new(P);
+    assert!(run_log(
+        &mut s,
+        T0,
+        with_push(Command::Create(vec![new_job("a")]), vec![target("a", 1)])
+    )
+    .0
+    .is_ok());
+    let k = JobKey::new(P, 1);
+    let (reply, effects, changes) = run_log(&mut s, T0 + 5, LogCommand::Yield { key: k, lease: 1 });
+    assert_eq!(reply, Ok(Reply::Done));
+    assert_eq!(effects, vec![available("a")]);
+    assert_eq!(changes, keys(&[k]));
+    assert!(matches!(status(&s, k), JobStatus::Activatable { .. }));
+    assert_eq!(s.next_deadline(), None);
+    assert_eq!(activate(&mut s, T0 + 6, "a", 1)[0].key, k);
+}
+
+#[test]
+fn a_stale_yield_is_a_no_op() {
+    let mut s = State::new(P);
+    assert!(run_log(
+        &mut s,
+        T0,
+        with_push(Command::Create(vec![new_job("a")]), vec![target("a", 1)])
+    )
+    .0
+    .is_ok());
+    let k = JobKey::new(P, 1);
+    // The push timed out and the job went to a poller: lease 2 now.
+    assert!(run_log(
+        &mut s,
+        T0 + 30_000,
+        LogCommand::TimeOut {
+            keys: vec![k],
+            push: vec![]
+        }
+    )
+    .0
+    .is_ok());
+    activate(&mut s, T0 + 30_001, "a", 1);
+    assert!(matches!(
+        status(&s, k),
+        JobStatus::Activated { lease: 2, .. }
+    ));
+    let before = status(&s, k);
+    let (reply, effects, changes) =
+        run_log(&mut s, T0 + 30_002, LogCommand::Yield { key: k, lease: 1 });
+    assert_eq!(reply, Ok(Reply::Done));
+    assert!(effects.is_empty() && changes.is_empty());
+    assert_eq!(status(&s, k), before);
+    // Yields for completed or unknown jobs are no-ops too.
+    assert!(run(
+        &mut s,
+        T0,
+        Command::Complete {
+            key: k,
+            variables: None
+        }
+    )
+    .0
+    .is_ok());
+    let (reply, effects, changes) = run_log(&mut s, T0, LogCommand::Yield { key: k, lease: 2 });
+    assert_eq!(reply, Ok(Reply::Done));
+    assert!(effects.is_empty() && changes.is_empty());
+}
+
+#[test]
+fn backfill_pushes_the_oldest_backlog_up_to_its_bound() {
+    let mut s = State::new(P);
+    let a = create(&mut s, "a");
+    let b = create(&mut s, "a");
+    let c = create(&mut s, "a");
+    create(&mut s, "b");
+    assert!(s.has_activatable("a", &[DEFAULT_TENANT.to_string()]));
+    let (reply, effects, changes) = run_log(
+        &mut s,
+        T0 + 9,
+        LogCommand::Backfill {
+            target: target("a", 2),
+        },
+    );
+    assert_eq!(reply, Ok(Reply::Done));
+    assert_eq!(pushes(&effects), vec![(a, 1), (b, 2)]);
+    assert!(effects
+        .iter()
+        .all(|e| matches!(e, Effect::Push(p) if !p.created && p.job.deadline == T0 + 30_009)));
+    assert_eq!(changes, keys(&[a, b]));
+    let (_, effects, _) = run_log(
+        &mut s,
+        T0 + 9,
+        LogCommand::Backfill {
+            target: target("a", 2),
+        },
+    );
+    assert_eq!(pushes(&effects), vec![(c, 3)]);
+    assert!(!s.has_activatable("a", &[DEFAULT_TENANT.to_string()]));
 }

@@ -1,0 +1,395 @@
+//! The job-stream registry of a broker, shared by all its partitions: which gateway
+//! links hold aggregated streams for which job types and activation properties.
+//!
+//! Lookups are synchronous (dashmap, no await): the leader calls them while it
+//! prepares a command. Registrations live exactly as long as the gateway link that
+//! carried them: when a link ends, every stream of that gateway goes at once.
+
+use crate::engine::{PushTarget, Recipient};
+use crate::metrics;
+use courier_proto::cluster::{broker_message, BrokerMessage, PushJob};
+use courier_proto::domain::{ActivatedJob, ActivationProps, PartitionId};
+use dashmap::DashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+
+/// How long a gateway has to answer a push; after that the push counts as delivered
+/// to nobody we know of, and the activation deadline recovers the job.
+pub const PUSH_ACK_TIMEOUT: Duration = Duration::from_secs(5);
+/// Messages queued toward one gateway before pushes to it are refused.
+pub const LINK_QUEUE: usize = 8192;
+
+/// How a push ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PushOutcome {
+    /// A client of the stream took the job.
+    Accepted,
+    /// The gateway could not place it (reason from the gateway, or "link_busy",
+    /// "link_gone" when it never left this broker): another recipient may take it.
+    Refused(String),
+    /// Sent, but no answer came (the link broke or the ack timed out): the job may be
+    /// with a worker, so it must not be pushed again; its deadline recovers it.
+    Unknown,
+}
+
+/// One gateway link as the broker sees it.
+pub struct Link {
+    pub id: u64,
+    /// The gateway's id from its hello, for logs.
+    pub gateway: std::sync::Mutex<String>,
+    tx: mpsc::Sender<BrokerMessage>,
+    pending: DashMap<u64, oneshot::Sender<PushOutcome>>,
+    next_push: AtomicU64,
+}
+
+impl Link {
+    /// Sends a job to `stream_id` on this gateway and waits for the gateway's answer.
+    pub async fn push(
+        &self,
+        stream_id: u64,
+        partition: PartitionId,
+        lease: u64,
+        job: ActivatedJob,
+    ) -> PushOutcome {
+        let push_id = self.next_push.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.pending.insert(push_id, tx);
+        let msg = BrokerMessage {
+            kind: Some(broker_message::Kind::Push(PushJob {
+                push_id,
+                stream_id,
+                partition_id: partition.0,
+                lease,
+                job: Some(job.into()),
+            })),
+        };
+        if let Err(e) = self.tx.try_send(msg) {
+            self.pending.remove(&push_id);
+            return PushOutcome::Refused(
+                match e {
+                    mpsc::error::TrySendError::Full(_) => "link_busy",
+                    mpsc::error::TrySendError::Closed(_) => "link_gone",
+                }
+                .to_string(),
+            );
+        }
+        match tokio::time::timeout(PUSH_ACK_TIMEOUT, rx).await {
+            Ok(Ok(outcome)) => outcome,
+            // The link ended (pending dropped) or no answer in time.
+            Ok(Err(_)) | Err(_) => {
+                self.pending.remove(&push_id);
+                PushOutcome::Unknown
+            }
+        }
+    }
+
+    /// The gateway answered push `push_id`.
+    pub fn acked(&self, push_id: u64, accepted: bool, reason: String) {
+        if let Some((_, tx)) = self.pending.remove(&push_id) {
+            let _ = tx.send(if accepted {
+                PushOutcome::Accepted
+            } else {
+                PushOutcome::Refused(reason)
+            });
+        }
+    }
+
+    /// Queues a message toward the gateway; false when the link is gone or full.
+    pub fn send(&self, msg: BrokerMessage) -> bool {
+        self.tx.try_send(msg).is_ok()
+    }
+}
+
+/// One logical stream: equal activation properties, held by one or more gateways.
+struct Logical {
+    props: ActivationProps,
+    recipients: Vec<Recipient>,
+}
+
+/// The registry. See the module doc.
+#[derive(Default)]
+pub struct JobStreamRegistry {
+    /// job type -> logical streams of that type.
+    streams: DashMap<String, Vec<Logical>>,
+    links: DashMap<u64, Arc<Link>>,
+    next_link: AtomicU64,
+    /// Rotates the choice among logical streams and recipients, per lookup.
+    turn: AtomicUsize,
+}
+
+impl JobStreamRegistry {
+    /// A new link; its messages toward the gateway come out of the returned receiver.
+    pub fn add_link(&self) -> (Arc<Link>, mpsc::Receiver<BrokerMessage>) {
+        let (tx, rx) = mpsc::channel(LINK_QUEUE);
+        let id = self.next_link.fetch_add(1, Ordering::Relaxed) + 1;
+        let link = Arc::new(Link {
+            id,
+            gateway: std::sync::Mutex::new(String::new()),
+            tx,
+            pending: DashMap::new(),
+            next_push: AtomicU64::new(1),
+        });
+        self.links.insert(id, link.clone());
+        (link, rx)
+    }
+
+    /// The link ended: every stream it registered goes, and pushes waiting for its
+    /// answer end as [`PushOutcome::Unknown`].
+    pub fn remove_link(&self, id: u64) {
+        if let Some((_, link)) = self.links.remove(&id) {
+            link.pending.clear();
+        }
+        self.streams.retain(|_, logicals| {
+            for l in logicals.iter_mut() {
+                l.recipients.retain(|r| r.link != id);
+            }
+            logicals.retain(|l| !l.recipients.is_empty());
+            !logicals.is_empty()
+        });
+        self.update_gauge();
+    }
+
+    pub fn link(&self, id: u64) -> Option<Arc<Link>> {
+        self.links.get(&id).map(|l| l.clone())
+    }
+
+    /// Every open link, e.g. to announce jobs to all gateways.
+    pub fn links(&self) -> Vec<Arc<Link>> {
+        self.links.iter().map(|l| l.clone()).collect()
+    }
+
+    /// A gateway's aggregated stream can take jobs.
+    pub fn register(&self, link: u64, stream_id: u64, props: ActivationProps) {
+        let recipient = Recipient { link, stream_id };
+        let mut logicals = self.streams.entry(props.job_type.clone()).or_default();
+        match logicals.iter_mut().find(|l| l.props == props) {
+            Some(l) => {
+                if !l.recipients.contains(&recipient) {
+                    l.recipients.push(recipient);
+                }
+            }
+            None => logicals.push(Logical {
+                props,
+                recipients: vec![recipient],
+            }),
+        }
+        drop(logicals);
+        self.update_gauge();
+    }
+
+    pub fn unregister(&self, link: u64, stream_id: u64) {
+        let gone = Recipient { link, stream_id };
+        self.streams.retain(|_, logicals| {
+            for l in logicals.iter_mut() {
+                l.recipients.retain(|r| *r != gone);
+            }
+            logicals.retain(|l| !l.recipients.is_empty());
+            !logicals.is_empty()
+        });
+        self.update_gauge();
+    }
+
+    /// A stream for jobs of this type and tenant, if any: logical streams and their
+    /// recipients are taken in turn, so several worker groups and gateways share.
+    pub fn lookup(&self, job_type: &str, tenant: &str, max: u32) -> Option<PushTarget> {
+        let logicals = self.streams.get(job_type)?;
+        let matching: Vec<&Logical> = logicals
+            .iter()
+            .filter(|l| l.props.tenant_ids.iter().any(|t| t == tenant))
+            .collect();
+        if matching.is_empty() {
+            return None;
+        }
+        let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+        let l = matching[turn % matching.len()];
+        let r = &l.recipients[turn % l.recipients.len()];
+        Some(PushTarget {
+            props: l.props.clone(),
+            recipient: r.clone(),
+            max,
+        })
+    }
+
+    /// A target for exactly these properties (back-fill), if the stream still exists.
+    pub fn target_for(&self, props: &ActivationProps, max: u32) -> Option<PushTarget> {
+        let logicals = self.streams.get(&props.job_type)?;
+        let l = logicals.iter().find(|l| &l.props == props)?;
+        let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+        Some(PushTarget {
+            props: props.clone(),
+            recipient: l.recipients[turn % l.recipients.len()].clone(),
+            max,
+        })
+    }
+
+    /// Every recipient of the logical stream with these properties, starting after
+    /// `first`: the order in which a refused push tries the others.
+    pub fn others(&self, props: &ActivationProps, first: &Recipient) -> Vec<Recipient> {
+        let Some(logicals) = self.streams.get(&props.job_type) else {
+            return Vec::new();
+        };
+        let Some(l) = logicals.iter().find(|l| &l.props == props) else {
+            return Vec::new();
+        };
+        let start = l
+            .recipients
+            .iter()
+            .position(|r| r == first)
+            .map_or(0, |i| i + 1);
+        (0..l.recipients.len())
+            .map(|i| l.recipients[(start + i) % l.recipients.len()].clone())
+            .filter(|r| r != first)
+            .collect()
+    }
+
+    /// The properties of a gateway's stream, if registered.
+    pub fn props_of(&self, link: u64, stream_id: u64) -> Option<ActivationProps> {
+        let r = Recipient { link, stream_id };
+        self.streams.iter().find_map(|e| {
+            e.value()
+                .iter()
+                .find(|l| l.recipients.contains(&r))
+                .map(|l| l.props.clone())
+        })
+    }
+
+    /// Every registered logical stream's properties, e.g. to back-fill after a
+    /// partition gains its leader.
+    pub fn all_props(&self) -> Vec<ActivationProps> {
+        self.streams
+            .iter()
+            .flat_map(|e| {
+                e.value()
+                    .iter()
+                    .map(|l| l.props.clone())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    fn update_gauge(&self) {
+        let n: usize = self
+            .streams
+            .iter()
+            .map(|e| e.value().iter().map(|l| l.recipients.len()).sum::<usize>())
+            .sum();
+        metrics::STREAMS.set(n as i64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use courier_proto::domain::DEFAULT_TENANT;
+
+    fn props(t: &str, worker: &str) -> ActivationProps {
+        ActivationProps {
+            job_type: t.into(),
+            worker: worker.into(),
+            timeout_ms: 1000,
+            fetch_variables: vec![],
+            tenant_ids: vec![DEFAULT_TENANT.into()],
+        }
+    }
+
+    #[test]
+    fn lookups_find_streams_by_type_and_tenant_and_take_turns() {
+        let reg = JobStreamRegistry::default();
+        let (l1, _rx1) = reg.add_link();
+        let (l2, _rx2) = reg.add_link();
+        assert!(reg.lookup("a", DEFAULT_TENANT, 1).is_none());
+        reg.register(l1.id, 10, props("a", "w"));
+        reg.register(l2.id, 20, props("a", "w"));
+        assert!(reg.lookup("b", DEFAULT_TENANT, 1).is_none());
+        assert!(reg.lookup("a", "acme", 1).is_none(), "other tenant");
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..4 {
+            let t = reg.lookup("a", DEFAULT_TENANT, 5).expect("a stream");
+            assert_eq!(t.props, props("a", "w"));
+            assert_eq!(t.max, 5);
+            seen.insert(t.recipient.stream_id);
+        }
+        assert_eq!(
+            seen.into_iter().collect::<Vec<_>>(),
+            vec![10, 20],
+            "both gateways get turns"
+        );
+        let first = Recipient {
+            link: l1.id,
+            stream_id: 10,
+        };
+        assert_eq!(
+            reg.others(&props("a", "w"), &first),
+            vec![Recipient {
+                link: l2.id,
+                stream_id: 20
+            }]
+        );
+    }
+
+    #[test]
+    fn a_link_that_ends_takes_its_streams_with_it() {
+        let reg = JobStreamRegistry::default();
+        let (l1, _rx1) = reg.add_link();
+        let (l2, _rx2) = reg.add_link();
+        reg.register(l1.id, 1, props("a", "w"));
+        reg.register(l1.id, 2, props("b", "w"));
+        reg.register(l2.id, 1, props("a", "w"));
+        reg.remove_link(l1.id);
+        assert!(reg.lookup("b", DEFAULT_TENANT, 1).is_none());
+        let t = reg
+            .lookup("a", DEFAULT_TENANT, 1)
+            .expect("l2 still has one");
+        assert_eq!(t.recipient.link, l2.id);
+        assert!(reg.link(l1.id).is_none());
+        reg.unregister(l2.id, 1);
+        assert!(reg.lookup("a", DEFAULT_TENANT, 1).is_none());
+        assert!(reg.all_props().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pushes_end_with_the_gateways_answer_or_unknown() {
+        let reg = JobStreamRegistry::default();
+        let (link, mut rx) = reg.add_link();
+        let job = ActivatedJob {
+            key: courier_proto::domain::JobKey(1),
+            job_type: "a".into(),
+            worker: "w".into(),
+            retries: 1,
+            deadline: 0,
+            variables: "{}".into(),
+            custom_headers: "{}".into(),
+            tenant_id: DEFAULT_TENANT.into(),
+            process: Default::default(),
+        };
+        let l = link.clone();
+        let answer = tokio::spawn(async move {
+            let Some(BrokerMessage {
+                kind: Some(broker_message::Kind::Push(p)),
+            }) = rx.recv().await
+            else {
+                panic!("expected a push")
+            };
+            assert_eq!((p.stream_id, p.partition_id, p.lease), (9, 2, 4));
+            l.acked(p.push_id, false, "clients_full".into());
+            rx
+        });
+        let outcome = link.push(9, PartitionId(2), 4, job.clone()).await;
+        assert_eq!(outcome, PushOutcome::Refused("clients_full".into()));
+        let _rx = answer.await.expect("answered");
+        // No answer at all: unknown after the ack timeout, never a retry.
+        assert_eq!(
+            link.push(9, PartitionId(2), 5, job.clone()).await,
+            PushOutcome::Unknown
+        );
+        // The link ended before the answer: unknown as well.
+        let l = link.clone();
+        let id = link.id;
+        let pending = tokio::spawn(async move { l.push(9, PartitionId(2), 6, job).await });
+        tokio::task::yield_now().await;
+        reg.remove_link(id);
+        assert_eq!(pending.await.expect("push"), PushOutcome::Unknown);
+    }
+}

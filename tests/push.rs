@@ -1,0 +1,417 @@
+//! Job push on a cluster of real processes: jobs reach `StreamActivatedJobs` clients
+//! in the same replicated write that made them runnable, are shared round-robin,
+//! survive dying clients, leaders and gateways, and are back-filled to new streams.
+
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+mod common;
+
+use common::{serial, wait_until, Cluster, ClusterOpts};
+use courier_client::{Client, NewJob};
+use courier_proto::gateway_protocol::{
+    gateway_client::GatewayClient, ActivatedJob, StreamActivatedJobsRequest,
+};
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tonic::Code;
+
+/// Opens a job stream on the gateway at `addr`.
+async fn open_stream(
+    addr: &str,
+    job_type: &str,
+    timeout: Duration,
+) -> tonic::Streaming<ActivatedJob> {
+    let mut c = GatewayClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect");
+    c.stream_activated_jobs(StreamActivatedJobsRequest {
+        r#type: job_type.into(),
+        worker: "push-test".into(),
+        timeout: timeout.as_millis() as i64,
+        fetch_variable: vec![],
+        tenant_ids: vec![],
+    })
+    .await
+    .expect("open stream")
+    .into_inner()
+}
+
+/// Streams registered on the brokers (one per gateway stream per broker).
+async fn wait_registered(cluster: &Cluster, n: f64) {
+    wait_until(
+        Duration::from_secs(10),
+        "streams are registered",
+        || async {
+            cluster
+                .broker_metric("courier_broker_registered_streams")
+                .await
+                == n
+        },
+    )
+    .await;
+}
+
+/// A worker that completes every job it is pushed and records the keys.
+fn completing_worker(
+    client: Client,
+    mut stream: tonic::Streaming<ActivatedJob>,
+) -> (Arc<Mutex<Vec<i64>>>, tokio::task::JoinHandle<()>) {
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let g = got.clone();
+    let task = tokio::spawn(async move {
+        while let Ok(Some(job)) = stream.message().await {
+            g.lock().unwrap().push(job.key);
+            let _ = client.complete_job(job.key, "").await;
+        }
+    });
+    (got, task)
+}
+
+async fn all_gone(c: &Client, keys: &[i64]) -> bool {
+    for k in keys {
+        match c.get_job(*k).await {
+            Err(e) if e.code() == Some(Code::NotFound) => {}
+            _ => return false,
+        }
+    }
+    true
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streaming_worker_gets_jobs_pushed_without_polling() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let mut stream = open_stream(&cluster.gateway_addr, "pushed", Duration::from_secs(60)).await;
+    wait_registered(&cluster, 3.0).await;
+
+    let mut keys = BTreeSet::new();
+    for i in 0..20 {
+        let job = NewJob::new("pushed").variables(format!("{{\"i\":{i}}}").as_str());
+        keys.insert(c.create_job(job).await.expect("create").key);
+    }
+    let mut got = BTreeSet::new();
+    while got.len() < keys.len() {
+        let job = tokio::time::timeout(Duration::from_secs(5), stream.message())
+            .await
+            .expect("a pushed job within 5 s")
+            .expect("stream healthy")
+            .expect("stream open");
+        assert_eq!(job.r#type, "pushed");
+        assert_eq!(job.worker, "push-test");
+        assert!(job.variables.contains("\"i\""));
+        assert_eq!(job.custom_headers, "{}");
+        got.insert(job.key);
+        c.complete_job(job.key, "").await.expect("complete");
+    }
+    assert_eq!(got, keys);
+    // Pushed, not polled: no ActivateJobs was ever made.
+    assert_eq!(
+        cluster
+            .gateway_metric(0, "courier_gateway_jobs_pushed_total")
+            .await,
+        20.0
+    );
+    assert_eq!(
+        cluster
+            .gateway_metric(0, "courier_gateway_jobs_activated_total")
+            .await,
+        0.0
+    );
+    assert!(
+        cluster
+            .broker_metric("courier_broker_create_to_push_seconds_count")
+            .await
+            >= 20.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_clients_with_the_same_properties_share_the_jobs_evenly() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let s1 = open_stream(&cluster.gateway_addr, "shared", Duration::from_secs(60)).await;
+    let s2 = open_stream(&cluster.gateway_addr, "shared", Duration::from_secs(60)).await;
+    // One aggregated stream, registered once per broker.
+    wait_registered(&cluster, 3.0).await;
+    let (got1, _t1) = completing_worker(c.clone(), s1);
+    let (got2, _t2) = completing_worker(c.clone(), s2);
+
+    let n = 200;
+    let mut keys = Vec::new();
+    for _ in 0..n {
+        keys.push(
+            c.create_job(NewJob::new("shared"))
+                .await
+                .expect("create")
+                .key,
+        );
+    }
+    wait_until(
+        Duration::from_secs(20),
+        "every job is handed out",
+        || async { got1.lock().unwrap().len() + got2.lock().unwrap().len() >= n },
+    )
+    .await;
+    let (a, b) = (got1.lock().unwrap().len(), got2.lock().unwrap().len());
+    eprintln!("client 1 got {a}, client 2 got {b}");
+    assert_eq!(a + b, n, "each job handed to exactly one client");
+    assert!(
+        (90..=110).contains(&a) && (90..=110).contains(&b),
+        "not an even split: {a} / {b}"
+    );
+    wait_until(Duration::from_secs(10), "all completed", || {
+        all_gone(&c, &keys)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_dies_mid_stream_loses_nothing() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let mut dying = open_stream(
+        &cluster.gateway_addr,
+        "fragile",
+        Duration::from_millis(1500),
+    )
+    .await;
+    let healthy = open_stream(
+        &cluster.gateway_addr,
+        "fragile",
+        Duration::from_millis(1500),
+    )
+    .await;
+    wait_registered(&cluster, 3.0).await;
+    let (done, _t) = completing_worker(c.clone(), healthy);
+
+    let mut keys = Vec::new();
+    for _ in 0..40 {
+        keys.push(
+            c.create_job(NewJob::new("fragile"))
+                .await
+                .expect("create")
+                .key,
+        );
+    }
+    // The dying client takes a few jobs, never completes them, and goes away.
+    let mut taken = Vec::new();
+    while taken.len() < 5 {
+        let job = tokio::time::timeout(Duration::from_secs(5), dying.message())
+            .await
+            .expect("job within 5 s")
+            .expect("healthy")
+            .expect("open");
+        taken.push(job.key);
+    }
+    drop(dying);
+    for _ in 0..40 {
+        keys.push(
+            c.create_job(NewJob::new("fragile"))
+                .await
+                .expect("create")
+                .key,
+        );
+    }
+    // Everything is completed in the end: what the dead client held comes back by
+    // its deadline and is pushed to the healthy one.
+    wait_until(Duration::from_secs(30), "every job completed", || {
+        all_gone(&c, &keys)
+    })
+    .await;
+    let done = done.lock().unwrap().clone();
+    for k in &taken {
+        assert!(
+            done.contains(k),
+            "job {k} held by the dead client was never redone"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_created_before_any_worker_are_backfilled_by_push() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let mut keys = Vec::new();
+    for _ in 0..50 {
+        keys.push(
+            c.create_job(NewJob::new("early"))
+                .await
+                .expect("create")
+                .key,
+        );
+    }
+    let stream = open_stream(&cluster.gateway_addr, "early", Duration::from_secs(60)).await;
+    let (got, _t) = completing_worker(c.clone(), stream);
+    wait_until(Duration::from_secs(15), "the backlog is pushed", || async {
+        got.lock().unwrap().len() >= 50
+    })
+    .await;
+    let got: BTreeSet<i64> = got.lock().unwrap().iter().copied().collect();
+    assert_eq!(got, keys.iter().copied().collect());
+    assert_eq!(
+        cluster
+            .gateway_metric(0, "courier_gateway_jobs_activated_total")
+            .await,
+        0.0
+    );
+    assert!(
+        cluster
+            .broker_metric("courier_broker_backfilled_jobs_total")
+            .await
+            >= 50.0
+    );
+}
+
+/// The next pushed job, within 5 s.
+async fn next(s: &mut tonic::Streaming<ActivatedJob>) -> ActivatedJob {
+    tokio::time::timeout(Duration::from_secs(5), s.message())
+        .await
+        .expect("pushed within 5 s")
+        .expect("healthy")
+        .expect("open")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_and_timed_out_jobs_are_pushed_again() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let mut s = open_stream(&cluster.gateway_addr, "again", Duration::from_millis(1000)).await;
+    wait_registered(&cluster, 3.0).await;
+    let key = c
+        .create_job(NewJob::new("again"))
+        .await
+        .expect("create")
+        .key;
+    let first = next(&mut s).await;
+    assert_eq!(first.key, key);
+    // Fail with retries and no back-off: runnable at once, pushed at once.
+    c.fail_job(key, 2, "retry me", Duration::ZERO)
+        .await
+        .expect("fail");
+    let second = next(&mut s).await;
+    assert_eq!((second.key, second.retries), (key, 2));
+    // Not completed: the activation times out and the job is pushed again.
+    let t0 = Instant::now();
+    let third = next(&mut s).await;
+    assert_eq!(third.key, key);
+    assert!(
+        t0.elapsed() >= Duration::from_millis(700),
+        "{:?}",
+        t0.elapsed()
+    );
+    c.complete_job(key, "").await.expect("complete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushes_resume_within_two_seconds_after_a_leader_is_killed() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let stream = open_stream(&cluster.gateway_addr, "steady", Duration::from_secs(2)).await;
+    wait_registered(&cluster, 3.0).await;
+    let (got, _t) = completing_worker(c.clone(), stream);
+    let mut keys = Vec::new();
+    for _ in 0..30 {
+        keys.push(
+            c.create_job(NewJob::new("steady"))
+                .await
+                .expect("create")
+                .key,
+        );
+    }
+    let victim = cluster.leaders().await[&1];
+    cluster.kill_broker(victim);
+    let killed = Instant::now();
+    // Keep creating: jobs of partition 1 wait for its new leader, then are pushed.
+    let mut after = Vec::new();
+    while after.len() < 30 {
+        if let Ok(r) = c.create_job(NewJob::new("steady")).await {
+            after.push(r.key);
+        }
+    }
+    let p1_after: Vec<i64> = after.iter().copied().filter(|k| k >> 51 == 1).collect();
+    assert!(!p1_after.is_empty());
+    wait_until(
+        Duration::from_secs(10),
+        "jobs of partition 1 are pushed again",
+        || async {
+            let g = got.lock().unwrap();
+            p1_after.iter().all(|k| g.contains(k))
+        },
+    )
+    .await;
+    let resumed = killed.elapsed();
+    eprintln!("pushes on partition 1 resumed {resumed:?} after the kill");
+    assert!(
+        resumed < Duration::from_secs(4),
+        "resumed after {resumed:?}"
+    );
+    keys.extend(after);
+    wait_until(Duration::from_secs(30), "every job completed", || {
+        all_gone(&c, &keys)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_gateway_is_dropped_at_once_and_workers_move_to_another() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts::default()).await;
+    let other = cluster.add_gateway();
+    let c = cluster.client_of(other);
+    let stream = open_stream(&cluster.gateway_addr, "moving", Duration::from_secs(2)).await;
+    wait_registered(&cluster, 3.0).await;
+    let (got, _t) = completing_worker(c.clone(), stream);
+    let mut keys = Vec::new();
+    for _ in 0..20 {
+        keys.push(
+            c.create_job(NewJob::new("moving"))
+                .await
+                .expect("create")
+                .key,
+        );
+    }
+    wait_until(Duration::from_secs(10), "first jobs done", || async {
+        got.lock().unwrap().len() >= 20
+    })
+    .await;
+
+    cluster.kill_gateway(0);
+    let killed = Instant::now();
+    wait_registered(&cluster, 0.0).await;
+    let dropped = killed.elapsed();
+    eprintln!("brokers dropped the dead gateway's streams after {dropped:?}");
+    assert!(dropped < Duration::from_secs(2), "{dropped:?}");
+    // Created while no worker streams: they wait, then reach the worker that moved.
+    for _ in 0..20 {
+        keys.push(
+            c.create_job(NewJob::new("moving"))
+                .await
+                .expect("create")
+                .key,
+        );
+    }
+    let stream = open_stream(
+        &cluster.gateway_addrs[other],
+        "moving",
+        Duration::from_secs(2),
+    )
+    .await;
+    let (_got2, _t2) = completing_worker(c.clone(), stream);
+    wait_until(Duration::from_secs(20), "every job completed", || {
+        all_gone(&c, &keys)
+    })
+    .await;
+    // Nothing was pushed into the dead gateway and left waiting for an answer.
+    let unknown = cluster
+        .broker_metric("courier_broker_push_attempts_total{outcome=\"unknown\"}")
+        .await;
+    assert_eq!(unknown, 0.0, "pushes without an answer");
+}
