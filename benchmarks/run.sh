@@ -34,6 +34,23 @@ bench() { # label address
   ROWS+=("$("$BIN/courier-bench" create --address "$2" --label "$1" --concurrency 64 --duration "$DURATION" --warmup "$WARMUP")")
 }
 
+E2E=()
+RATIOS=()
+col() { echo "$1" | awk -F'|' -v c="$2" '{gsub(/ /,"",$c); print $c}'; }
+e2e() { # label address
+  local e=("$BIN/courier-bench" e2e --address "$2" --label "$1" --duration "$DURATION" --warmup "$WARMUP")
+  local commit push1 poll1 pushr pollr
+  commit=$("$BIN/courier-bench" create --address "$2" --label "$1" --concurrency 1 --duration "$DURATION" --warmup "$WARMUP")
+  # Arms alternate (push, poll, then poll, push) so a drift in machine speed does
+  # not favour one side.
+  push1=$("${e[@]}" --mode push)
+  poll1=$("${e[@]}" --mode poll)
+  pollr=$("${e[@]}" --mode poll --workers 8 --rate 1000)
+  pushr=$("${e[@]}" --mode push --workers 8 --rate 1000)
+  E2E+=("$(echo "$commit" | sed 's/closed loop x1/create acknowledged (one commit), 1 at a time/')" "$push1" "$poll1" "$pushr" "$pollr")
+  RATIOS+=("| $1 | $(awk -v a="$(col "$push1" 4)" -v b="$(col "$commit" 4)" 'BEGIN{printf "%.2f", a/b}') | $(awk -v a="$(col "$poll1" 4)" -v b="$(col "$push1" 4)" 'BEGIN{printf "%.2f", a/b}') | $(awk -v a="$(col "$pollr" 5)" -v b="$(col "$pushr" 5)" 'BEGIN{printf "%.2f", a/b}') |")
+}
+
 start_dev() { # durability
   local gw; gw=$(free_port)
   "$BIN/courier" dev --data-dir "$WORK/dev-$1" --gateway-addr "127.0.0.1:$gw" --metrics-addr off --durability "$1" >"$WORK/dev-$1.log" 2>&1 &
@@ -60,8 +77,12 @@ start_cluster() { # durability
 # processes would outlive the script.
 FSYNC=$("$BIN/courier-bench" fsync-probe --dir "$WORK")
 for d in fsync replicated; do
-  start_dev "$d"; bench "courier dev (1 broker, 2 partitions), $d" "$ADDR"; stop_all
-  start_cluster "$d"; bench "3 brokers, RF 3, 3 partitions, $d" "$ADDR"; stop_all
+  start_dev "$d"; bench "courier dev (1 broker, 2 partitions), $d" "$ADDR"
+  if [[ $d == fsync ]]; then e2e "courier dev, $d" "$ADDR"; fi
+  stop_all
+  start_cluster "$d"; bench "3 brokers, RF 3, 3 partitions, $d" "$ADDR"
+  if [[ $d == fsync ]]; then e2e "3 brokers, RF 3, $d" "$ADDR"; fi
+  stop_all
 done
 
 {
@@ -78,5 +99,22 @@ done
   echo "| topology | load | p50 ms | p99 ms | p99.9 ms | max ms | creates/s | errors |"
   echo "|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${ROWS[@]}"
+  echo
+  echo "## Create-to-handler latency: push against long polling"
+  echo
+  echo "\`courier-bench e2e --mode push|poll\`: each job carries the time it was sent for"
+  echo "creation; the worker's handler records when it has the job. Push workers hold a"
+  echo "\`StreamActivatedJobs\` stream; poll workers long-poll \`ActivateJobs\` (32 jobs, 10 s)"
+  echo "as Zeebe's clients do. Unloaded: one job at a time. Loaded: open loop, 8 workers."
+  echo "The first row of each topology is the create acknowledgement (one Raft commit),"
+  echo "measured in the same run. Columns as above (rate = jobs handled per second)."
+  echo
+  echo "| topology | scenario | p50 ms | p99 ms | p99.9 ms | max ms | jobs/s | errors |"
+  echo "|---|---|---|---|---|---|---|---|"
+  printf '%s\n' "${E2E[@]}"
+  echo
+  echo "| topology | unloaded push p50 / commit p50 | unloaded poll p50 / push p50 | 1000/s poll p99 / push p99 |"
+  echo "|---|---|---|---|"
+  printf '%s\n' "${RATIOS[@]}"
 } > benchmarks/RESULTS.md
 cat benchmarks/RESULTS.md

@@ -4,9 +4,13 @@
 //!   majority and applied) and throughput, closed loop (`--concurrency` producers as
 //!   fast as the cluster takes) or open loop (`--rate` jobs/s; latency counted from
 //!   the moment each create was due, so a stalled cluster cannot hide its queue).
+//! - `e2e`: create-to-handler latency with streaming (push) or long-polling workers,
+//!   unloaded or at a fixed rate.
 //! - `fsync-probe`: the disk's fdatasync latency, for the machine line of a report.
 //!
 //! Results print as one markdown table row and, with `--json`, as JSON.
+
+mod e2e;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -26,6 +30,8 @@ struct Cli {
 enum Cmd {
     /// Create latency and throughput.
     Create(CreateArgs),
+    /// Create-to-handler latency, push or poll.
+    E2e(e2e::E2eArgs),
     /// fdatasync latency of the disk holding DIR.
     FsyncProbe {
         #[arg(long, default_value = ".")]
@@ -63,19 +69,33 @@ struct CreateArgs {
     json: bool,
 }
 
-fn histogram() -> anyhow::Result<Histogram<u64>> {
+pub(crate) fn histogram() -> anyhow::Result<Histogram<u64>> {
     // 1 µs .. 60 s at 3 significant digits.
     Histogram::new_with_bounds(1, 60_000_000, 3).context("histogram bounds")
 }
 
-fn payload(bytes: usize) -> String {
+pub(crate) fn payload(bytes: usize) -> String {
     format!("{{\"p\":\"{}\"}}", "x".repeat(bytes.saturating_sub(8)))
 }
 
-struct Outcome {
-    latency: Histogram<u64>,
-    errors: u64,
-    elapsed: Duration,
+pub(crate) struct Outcome {
+    pub latency: Histogram<u64>,
+    pub errors: u64,
+    pub elapsed: Duration,
+}
+
+/// Prints one markdown table row: label, load, p50, p99, p99.9, max (ms), rate, errors.
+pub(crate) fn report(label: &str, load: &str, o: &Outcome) {
+    let h = &o.latency;
+    println!(
+        "| {label} | {load} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} | {} |",
+        ms(h.value_at_quantile(0.5)),
+        ms(h.value_at_quantile(0.99)),
+        ms(h.value_at_quantile(0.999)),
+        ms(h.max()),
+        h.len() as f64 / o.elapsed.as_secs_f64(),
+        o.errors
+    );
 }
 
 /// Closed loop: each producer sends its next create when the previous is acknowledged.
@@ -169,7 +189,7 @@ async fn open_loop(
     })
 }
 
-fn ms(us: u64) -> f64 {
+pub(crate) fn ms(us: u64) -> f64 {
     us as f64 / 1000.0
 }
 
@@ -188,18 +208,9 @@ async fn create(a: CreateArgs) -> anyhow::Result<()> {
             closed_loop(client, &a, until, measure_from).await?,
         ),
     };
+    report(&a.label, &load, &o);
     let h = &o.latency;
     let rate = h.len() as f64 / o.elapsed.as_secs_f64();
-    println!(
-        "| {} | {load} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} | {} |",
-        a.label,
-        ms(h.value_at_quantile(0.5)),
-        ms(h.value_at_quantile(0.99)),
-        ms(h.value_at_quantile(0.999)),
-        ms(h.max()),
-        rate,
-        o.errors
-    );
     if a.json {
         println!(
             "{}",
@@ -239,6 +250,7 @@ fn fsync_probe(dir: &std::path::Path, samples: u32) -> anyhow::Result<()> {
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
         Cmd::Create(a) => create(a).await,
+        Cmd::E2e(a) => e2e::run(a).await,
         Cmd::FsyncProbe { dir, samples } => fsync_probe(&dir, samples),
     }
 }

@@ -41,6 +41,8 @@ pub struct ClusterOpts {
     pub durability: &'static str,
     pub snapshot_every: u64,
     pub keep_after_snapshot: u64,
+    /// Start the gateways with `--no-push`.
+    pub gateway_no_push: bool,
 }
 
 impl Default for ClusterOpts {
@@ -52,6 +54,7 @@ impl Default for ClusterOpts {
             durability: "fsync",
             snapshot_every: 20_000,
             keep_after_snapshot: 1000,
+            gateway_no_push: false,
         }
     }
 }
@@ -206,7 +209,7 @@ impl Cluster {
 
     /// Starts (or restarts) gateway `i` on its addresses.
     pub fn start_gateway(&mut self, i: usize) {
-        let args = vec![
+        let mut args = vec![
             "gateway".to_string(),
             "--addr".into(),
             self.gateway_addrs[i].clone(),
@@ -219,6 +222,9 @@ impl Cluster {
             "--metrics-addr".into(),
             self.gateway_metrics[i].clone(),
         ];
+        if self.opts.gateway_no_push {
+            args.push("--no-push".into());
+        }
         let log = self.dir.path().join(format!("gateway-{i}.log"));
         let p = Proc::spawn(&args, log);
         if i < self.gateways.len() {

@@ -76,6 +76,9 @@ pub struct GatewayArgs {
     /// Where Prometheus metrics are served (`/metrics`).
     #[arg(long)]
     metrics_addr: Option<String>,
+    /// Serve no StreamActivatedJobs (UNIMPLEMENTED): workers long-poll instead.
+    #[arg(long)]
+    no_push: bool,
 }
 
 fn init_tracing() {
@@ -285,6 +288,7 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
     let config = courier_gateway::GatewayConfig {
         brokers,
         default_long_poll: Duration::from_secs(10),
+        push_enabled: !a.no_push,
         ..Default::default()
     };
     courier_gateway::serve(config, listener, shutdown)

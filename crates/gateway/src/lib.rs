@@ -58,6 +58,9 @@ pub struct GatewayConfig {
     /// Pushed jobs buffered per StreamActivatedJobs client before it counts as full
     /// (default 32, Zeebe clients' default maxJobsActive).
     pub client_buffer: usize,
+    /// Whether StreamActivatedJobs is served; without it workers long-poll
+    /// (default true).
+    pub push_enabled: bool,
 }
 
 impl Default for GatewayConfig {
@@ -68,6 +71,7 @@ impl Default for GatewayConfig {
             default_request_timeout: Duration::from_secs(15),
             topology_refresh: Duration::from_millis(500),
             client_buffer: 32,
+            push_enabled: true,
         }
     }
 }
@@ -111,6 +115,7 @@ pub async fn serve(
         streams,
         config.default_long_poll,
         config.default_request_timeout,
+        config.push_enabled,
         stop.clone(),
     );
     // Zeebe's clients (the Node.js SDK always) compress requests with gzip; answers

@@ -63,6 +63,9 @@ pub struct Shared {
     streams: Arc<AggregatedStreams>,
     default_long_poll: Duration,
     default_request_timeout: Duration,
+    /// Without push, StreamActivatedJobs answers UNIMPLEMENTED, as a gateway
+    /// without job push would.
+    push_enabled: bool,
     activate_start: RoundRobin,
     create_start: RoundRobin,
     shutdown: CancellationToken,
@@ -76,6 +79,7 @@ impl Shared {
         streams: Arc<AggregatedStreams>,
         default_long_poll: Duration,
         default_request_timeout: Duration,
+        push_enabled: bool,
         shutdown: CancellationToken,
     ) -> Arc<Self> {
         Arc::new(Shared {
@@ -85,6 +89,7 @@ impl Shared {
             streams,
             default_long_poll,
             default_request_timeout,
+            push_enabled,
             activate_start: RoundRobin::default(),
             create_start: RoundRobin::default(),
             shutdown,
@@ -364,6 +369,12 @@ impl Gateway for GatewayService {
         request: tonic::Request<gw::StreamActivatedJobsRequest>,
     ) -> Result<Response<Self::StreamActivatedJobsStream>, Status> {
         let observer = RequestObserver::start("StreamActivatedJobs");
+        if !self.0.push_enabled {
+            observer.finish(tonic::Code::Unimplemented);
+            return Err(Status::unimplemented(
+                "job push is switched off on this gateway",
+            ));
+        }
         let props = match convert::stream_request(request.get_ref()) {
             Ok(p) => p,
             Err(m) => {

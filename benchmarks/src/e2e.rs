@@ -1,0 +1,205 @@
+//! Create-to-handler latency: each job carries the wall-clock time it was sent to be
+//! created; a worker's handler records `now - created` when the job reaches it.
+//! Workers either stream (`StreamActivatedJobs`, job push) or long-poll
+//! (`ActivateJobs`, 32 jobs, 10 s), as Zeebe's clients do.
+
+use crate::{histogram, payload, Outcome};
+use anyhow::Context;
+use courier_client::{ActivateJobs, Client, NewJob};
+use courier_proto::gateway_protocol::{gateway_client::GatewayClient, StreamActivatedJobsRequest};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc;
+
+/// How workers get their jobs.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    Push,
+    Poll,
+}
+
+#[derive(clap::Args)]
+pub struct E2eArgs {
+    #[arg(long, default_value = "127.0.0.1:26500")]
+    pub address: String,
+    #[arg(long, default_value = "courier")]
+    pub label: String,
+    #[arg(long, value_enum)]
+    pub mode: Mode,
+    /// Workers (streams or pollers).
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// Jobs per second, open loop; without it, one job at a time (unloaded).
+    #[arg(long)]
+    pub rate: Option<u64>,
+    #[arg(long, default_value_t = 10)]
+    pub duration: u64,
+    #[arg(long, default_value_t = 2)]
+    pub warmup: u64,
+    #[arg(long, default_value_t = 100)]
+    pub payload: usize,
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+/// The creation time a job carries, from its variables `{"t":<µs>,...}`.
+fn created_us(variables: &str) -> Option<u64> {
+    let v: serde_json::Value = serde_json::from_str(variables).ok()?;
+    v.get("t")?.as_u64()
+}
+
+/// Latencies (µs) seen by handlers, with the job's creation time.
+type Seen = mpsc::UnboundedSender<(u64, u64)>;
+
+async fn push_worker(
+    address: String,
+    job_type: String,
+    client: Client,
+    seen: Seen,
+) -> anyhow::Result<()> {
+    let mut g = GatewayClient::connect(format!("http://{address}")).await?;
+    let mut stream = g
+        .stream_activated_jobs(StreamActivatedJobsRequest {
+            r#type: job_type,
+            worker: "bench".into(),
+            timeout: 30_000,
+            fetch_variable: vec![],
+            tenant_ids: vec![],
+        })
+        .await?
+        .into_inner();
+    while let Some(job) = stream.message().await? {
+        if let Some(t) = created_us(&job.variables) {
+            let _ = seen.send((t, now_us().saturating_sub(t)));
+        }
+        let c = client.clone();
+        tokio::spawn(async move { c.complete_job(job.key, "").await });
+    }
+    Ok(())
+}
+
+async fn poll_worker(job_type: String, client: Client, seen: Seen) -> anyhow::Result<()> {
+    let req = ActivateJobs::new(job_type)
+        .worker("bench")
+        .max_jobs(32)
+        .timeout(Duration::from_secs(30))
+        .request_timeout(Duration::from_secs(10));
+    loop {
+        let jobs = client.activate_jobs(req.clone()).await?;
+        for job in jobs {
+            if let Some(t) = created_us(&job.variables) {
+                let _ = seen.send((t, now_us().saturating_sub(t)));
+            }
+            let c = client.clone();
+            tokio::spawn(async move { c.complete_job(job.key, "").await });
+        }
+    }
+}
+
+fn job(job_type: &str, pad: &str) -> NewJob {
+    NewJob::new(job_type).variables(format!("{{\"t\":{},\"p\":\"{pad}\"}}", now_us()).as_str())
+}
+
+pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
+    let client = Client::connect(&a.address)?.with_retry_budget(Duration::from_secs(5));
+    client.topology().await.context("gateway not reachable")?;
+    // A type of its own, so jobs of other runs never mix in.
+    let job_type = format!("bench-{:?}-{}", a.mode, now_us()).to_lowercase();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let mut workers = Vec::new();
+    for _ in 0..a.workers.max(1) {
+        let (t, c, s, addr) = (
+            job_type.clone(),
+            client.clone(),
+            tx.clone(),
+            a.address.clone(),
+        );
+        workers.push(tokio::spawn(async move {
+            match a.mode {
+                Mode::Push => push_worker(addr, t, c, s).await,
+                Mode::Poll => poll_worker(t, c, s).await,
+            }
+        }));
+    }
+    drop(tx);
+    // Streams register with every broker asynchronously; polls park. Let them settle.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pad = payload(a.payload);
+    let pad = pad
+        .trim_start_matches("{\"p\":\"")
+        .trim_end_matches("\"}")
+        .to_string();
+    let start = Instant::now();
+    let measure_from_us = now_us() + a.warmup * 1_000_000;
+    let until = start + Duration::from_secs(a.warmup + a.duration);
+    let mut h = histogram()?;
+    let mut errors = 0u64;
+    let load = match a.rate {
+        None => {
+            // One job at a time: create it, wait until a handler has it.
+            while Instant::now() < until {
+                if client.create_job(job(&job_type, &pad)).await.is_err() {
+                    errors += 1;
+                    continue;
+                }
+                match tokio::time::timeout(Duration::from_secs(15), rx.recv()).await {
+                    Ok(Some((t, lat))) if t >= measure_from_us => h.saturating_record(lat),
+                    Ok(Some(_)) => {}
+                    _ => errors += 1,
+                }
+            }
+            "unloaded, 1 job at a time".to_string()
+        }
+        Some(rate) => {
+            let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
+            let mut n = 0u64;
+            let mut expected = 0u64;
+            loop {
+                let due = start + interval.mul_f64(n as f64);
+                if due >= until {
+                    break;
+                }
+                tokio::time::sleep_until(due.into()).await;
+                let (c, t, p) = (client.clone(), job_type.clone(), pad.clone());
+                tokio::spawn(async move { c.create_job(job(&t, &p)).await });
+                n += 1;
+                if now_us() >= measure_from_us {
+                    expected += 1;
+                }
+                while let Ok((t, lat)) = rx.try_recv() {
+                    if t >= measure_from_us {
+                        h.saturating_record(lat);
+                    }
+                }
+            }
+            // The stragglers, for a bounded time.
+            let drain_until = Instant::now() + Duration::from_secs(15);
+            while h.len() < expected && Instant::now() < drain_until {
+                match tokio::time::timeout(Duration::from_millis(500), rx.recv()).await {
+                    Ok(Some((t, lat))) if t >= measure_from_us => h.saturating_record(lat),
+                    Ok(Some(_)) => {}
+                    _ => {}
+                }
+            }
+            errors += expected.saturating_sub(h.len());
+            format!("{rate} jobs/s, {} workers", a.workers)
+        }
+    };
+    for w in workers {
+        w.abort();
+    }
+    crate::report(
+        &a.label,
+        &format!("{:?} {load}", a.mode).to_lowercase(),
+        &Outcome {
+            latency: h,
+            errors,
+            elapsed: Duration::from_secs(a.duration),
+        },
+    );
+    Ok(())
+}
