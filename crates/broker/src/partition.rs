@@ -4,12 +4,12 @@
 //! expensive and commands are cheap, so everything waiting is drained into one
 //! [`Batch`] while earlier entries are in flight.
 
-use crate::engine::{Batch, Effect, LogCommand, Push, PushTarget};
+use crate::engine::{Batch, Effect, LogCommand, Push, PushOrigin, PushTarget, Recipient};
 use crate::metrics;
 use crate::raft::Raft;
 use crate::registry::{JobStreamRegistry, PushOutcome};
 use crate::store::sm::SharedState;
-use courier_proto::cluster::{broker_message, BrokerMessage, JobsAvailable};
+use courier_proto::cluster::{broker_message, BrokerMessage, JobFinished, JobsAvailable};
 use courier_proto::domain::{
     ActivationProps, BrokerError, Command, JobKey, NodeId, PartitionId, Reply,
 };
@@ -35,6 +35,9 @@ const MAX_INFLIGHT: usize = 2;
 const MAX_TIMER_KEYS: usize = 1000;
 /// Jobs pushed per back-fill round; the next round starts once these are answered.
 const BACKFILL_BATCH: u32 = 32;
+/// Yields wait this long (plus up to as much again, at random) to be proposed
+/// together: refused pushes never turn into a burst of log writes.
+const YIELD_PACE: Duration = Duration::from_millis(10);
 
 /// The leader's wall clock in epoch ms; decided before proposing, never in apply.
 pub fn now_ms() -> i64 {
@@ -70,6 +73,12 @@ pub struct Partition {
     /// registered on several links gets one back-fill, not one per link. `true`:
     /// asked again while running (the stream has room again), so run once more.
     backfilling: Mutex<BTreeMap<String, bool>>,
+    /// Jobs this leader pushed and a gateway took: key -> (link, lease), so the end
+    /// of their activation can free the credit on that gateway. Leader-local.
+    pushed: dashmap::DashMap<JobKey, (u64, u64)>,
+    /// Yields waiting for the next paced batch: (key, lease, deadline).
+    yields: Mutex<Vec<(JobKey, u64, i64)>>,
+    yield_wake: Notify,
     shutdown: CancellationToken,
 }
 
@@ -99,10 +108,14 @@ impl Partition {
             pushes_refused: AtomicU64::new(0),
             push_settled: Notify::new(),
             backfilling: Mutex::new(BTreeMap::new()),
+            pushed: dashmap::DashMap::new(),
+            yields: Mutex::new(Vec::new()),
+            yield_wake: Notify::new(),
             shutdown: shutdown.clone(),
         });
         let span = tracing::info_span!("partition", partition = id.0, node = node_id);
         tasks.spawn(run_proposer(p.clone(), rx, shutdown.clone()).instrument(span.clone()));
+        tasks.spawn(run_yields(p.clone(), shutdown.clone()).instrument(span.clone()));
         tasks.spawn(run_timers(p.clone(), shutdown).instrument(span));
         p
     }
@@ -248,6 +261,13 @@ async fn run_proposer(
 /// Proposes one entry and answers each of its commands.
 async fn write(p: Arc<Partition>, batch: Vec<Proposal>) {
     let (commands, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|b| (b.cmd, b.reply)).unzip();
+    // Credit held for this entry's push targets; what apply does not use goes back.
+    let mut held: BTreeMap<Recipient, u64> = BTreeMap::new();
+    for c in &commands {
+        for t in targets_of(c) {
+            *held.entry(t.recipient.clone()).or_default() += u64::from(t.max);
+        }
+    }
     metrics::BATCH_SIZE.observe(commands.len() as f64);
     let started = std::time::Instant::now();
     let result = p
@@ -260,6 +280,16 @@ async fn write(p: Arc<Partition>, batch: Vec<Proposal>) {
     metrics::COMMIT_SECONDS.observe(started.elapsed().as_secs_f64());
     match result {
         Ok(resp) => {
+            for e in &resp.data.effects {
+                if let Effect::Push(push) = e {
+                    if let Some(n) = held.get_mut(&push.target.recipient) {
+                        *n = n.saturating_sub(1);
+                    }
+                }
+            }
+            for (r, n) in held {
+                p.registry.refund(&r, n);
+            }
             // Pushes first: they are the job path's latency.
             carry_out(&p, resp.data.effects, Some(started));
             for (reply, tx) in resp.data.replies.into_iter().zip(replies) {
@@ -289,6 +319,17 @@ async fn write(p: Arc<Partition>, batch: Vec<Proposal>) {
     }
 }
 
+/// The push targets a command carries (credit held for it).
+fn targets_of(c: &LogCommand) -> &[PushTarget] {
+    match c {
+        LogCommand::Client { push, .. }
+        | LogCommand::TimeOut { push, .. }
+        | LogCommand::Recur { push, .. } => push,
+        LogCommand::Backfill { target } => std::slice::from_ref(target),
+        LogCommand::Yield { .. } => &[],
+    }
+}
+
 /// Carries out the effects of an applied entry, on the leader only (only the
 /// proposer gets them). `proposed` is when the entry was proposed.
 fn carry_out(p: &Arc<Partition>, effects: Vec<Effect>, proposed: Option<Instant>) {
@@ -305,8 +346,25 @@ fn carry_out(p: &Arc<Partition>, effects: Vec<Effect>, proposed: Option<Instant>
             }
             Effect::Push(push) => {
                 p.pushes_inflight.fetch_add(1, Ordering::Relaxed);
-                let created = proposed.filter(|_| push.created);
+                if push.origin == PushOrigin::Backfill {
+                    metrics::BACKFILLED.inc();
+                }
+                let created = proposed.filter(|_| push.origin == PushOrigin::Created);
                 tokio::spawn(run_push(p.clone(), *push, created));
+            }
+            Effect::Finished { key, lease } => {
+                // Tell the gateway holding it, whichever gateway finished it.
+                let held = p.pushed.remove_if(&key, |_, (_, l)| *l == lease);
+                if let Some((_, (link, _))) = held {
+                    if let Some(link) = p.registry.link(link) {
+                        link.send(BrokerMessage {
+                            kind: Some(broker_message::Kind::Finished(JobFinished {
+                                key: key.0,
+                                lease,
+                            })),
+                        });
+                    }
+                }
             }
         }
     }
@@ -321,10 +379,16 @@ async fn run_push(p: Arc<Partition>, push: Push, created: Option<Instant>) {
         target, lease, job, ..
     } = push;
     let key = job.key;
+    let deadline = job.deadline;
     let mut recipients = vec![target.recipient.clone()];
     recipients.extend(p.registry.others(&target.props, &target.recipient));
     let mut refused = true;
     for (i, r) in recipients.iter().enumerate() {
+        // The first recipient's credit was held when the command was prepared; the
+        // others are tried only where credit is free.
+        if i > 0 && !p.registry.take_one(r) {
+            continue;
+        }
         let Some(link) = p.registry.link(r.link) else {
             continue;
         };
@@ -338,6 +402,7 @@ async fn run_push(p: Arc<Partition>, push: Push, created: Option<Instant>) {
         match outcome {
             PushOutcome::Accepted => {
                 metrics::PUSHES.with_label_values(&["accepted"]).inc();
+                p.pushed.insert(key, (r.link, lease));
                 refused = false;
                 break;
             }
@@ -356,11 +421,7 @@ async fn run_push(p: Arc<Partition>, push: Push, created: Option<Instant>) {
     }
     if refused {
         p.pushes_refused.fetch_add(1, Ordering::Relaxed);
-        metrics::YIELDS.with_label_values(&["all_refused"]).inc();
-        if let Err(e) = p.propose(LogCommand::Yield { key, lease }).await {
-            // The job stays activated; its deadline recovers it.
-            tracing::debug!(job = key.0, error = %e, "yield not applied");
-        }
+        p.queue_yield(key, lease, deadline);
     }
     if p.pushes_inflight.fetch_sub(1, Ordering::Relaxed) == 1 {
         p.push_settled.notify_waiters();
@@ -368,6 +429,15 @@ async fn run_push(p: Arc<Partition>, push: Push, created: Option<Instant>) {
 }
 
 impl Partition {
+    /// Queues a yield for the next paced batch.
+    pub fn queue_yield(&self, key: JobKey, lease: u64, deadline: i64) {
+        self.yields
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((key, lease, deadline));
+        self.yield_wake.notify_one();
+    }
+
     /// A stream with these properties became available: if this replica leads, push
     /// it the backlog of its type in bounded rounds, each waiting for the previous
     /// round's answers, until the backlog is empty, the stream is gone, or a push is
@@ -421,15 +491,9 @@ impl Partition {
                 return;
             };
             let refused_before = self.pushes_refused.load(Ordering::Relaxed);
-            let before = self.pushes_inflight.load(Ordering::Relaxed);
             if self.propose(LogCommand::Backfill { target }).await.is_err() {
                 return;
             }
-            metrics::BACKFILLED.inc_by(
-                self.pushes_inflight
-                    .load(Ordering::Relaxed)
-                    .saturating_sub(before) as u64,
-            );
             self.settle().await;
             if self.pushes_refused.load(Ordering::Relaxed) != refused_before {
                 // Full: the gateway says when the stream has room again.
@@ -454,6 +518,44 @@ impl Partition {
                 _ = &mut settled => {}
                 _ = &mut limit => return,
                 _ = self.shutdown.cancelled() => return,
+            }
+        }
+    }
+}
+
+/// Proposes queued yields in paced batches: after a wake it waits [`YIELD_PACE`]
+/// plus jitter, collecting more, then proposes them together (one log entry). A
+/// job whose deadline would pass before its yield could land is left to time out.
+async fn run_yields(p: Arc<Partition>, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = p.yield_wake.notified() => {}
+        }
+        let jitter = Duration::from_micros(rand::random::<u64>() % YIELD_PACE.as_micros() as u64);
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(YIELD_PACE + jitter) => {}
+        }
+        let batch = std::mem::take(&mut *p.yields.lock().unwrap_or_else(|e| e.into_inner()));
+        let soon = now_ms() + 2 * YIELD_PACE.as_millis() as i64;
+        let (due, late): (Vec<_>, Vec<_>) = batch.into_iter().partition(|(_, _, d)| *d > soon);
+        if !late.is_empty() {
+            metrics::YIELDS
+                .with_label_values(&["left_to_time_out"])
+                .inc_by(late.len() as u64);
+        }
+        metrics::YIELDS
+            .with_label_values(&["all_refused"])
+            .inc_by(due.len() as u64);
+        // Submitted together, so the proposer puts them in one entry.
+        let proposals = due
+            .into_iter()
+            .map(|(key, lease, _)| p.propose(LogCommand::Yield { key, lease }));
+        for r in futures::future::join_all(proposals).await {
+            if let Err(e) = r {
+                // The job stays activated; its deadline recovers it.
+                tracing::debug!(error = %e, "yield not applied");
             }
         }
     }

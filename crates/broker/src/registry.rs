@@ -108,11 +108,31 @@ struct Logical {
     recipients: Vec<Recipient>,
 }
 
+/// What this broker knows of a recipient's credit. The gateway reports this
+/// broker's `share` of the stream's free credit with the number of pushes it had
+/// `received` from us; we count what we `sent` (reserved) since the link opened.
+#[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
+struct Credit {
+    share: u64,
+    received: u64,
+    sent: u64,
+}
+
+impl Credit {
+    /// Pushes this broker may still send: its share less what is on the way.
+    fn available(&self) -> u64 {
+        self.share
+            .saturating_sub(self.sent.saturating_sub(self.received))
+    }
+}
+
 /// The registry. See the module doc.
 #[derive(Default)]
 pub struct JobStreamRegistry {
     /// job type -> logical streams of that type.
     streams: DashMap<String, Vec<Logical>>,
+    /// Credit per recipient; a recipient without a report has none.
+    credits: DashMap<Recipient, Credit>,
     links: DashMap<u64, Arc<Link>>,
     next_link: AtomicU64,
     /// Rotates the choice among logical streams and recipients, per lookup.
@@ -141,6 +161,7 @@ impl JobStreamRegistry {
         if let Some((_, link)) = self.links.remove(&id) {
             link.pending.clear();
         }
+        self.credits.retain(|r, _| r.link != id);
         self.streams.retain(|_, logicals| {
             for l in logicals.iter_mut() {
                 l.recipients.retain(|r| r.link != id);
@@ -181,6 +202,7 @@ impl JobStreamRegistry {
 
     pub fn unregister(&self, link: u64, stream_id: u64) {
         let gone = Recipient { link, stream_id };
+        self.credits.remove(&gone);
         self.streams.retain(|_, logicals| {
             for l in logicals.iter_mut() {
                 l.recipients.retain(|r| *r != gone);
@@ -191,37 +213,91 @@ impl JobStreamRegistry {
         self.update_gauge();
     }
 
-    /// A stream for jobs of this type and tenant, if any: logical streams and their
-    /// recipients are taken in turn, so several worker groups and gateways share.
+    /// A stream with free credit for jobs of this type and tenant, if any: the
+    /// recipient with the most credit (ties taken in turn), holding up to `max` of
+    /// its credit for the command. What the command does not use goes back with
+    /// [`Self::refund`]. No credit anywhere: `None`, and the jobs wait in the backlog.
     pub fn lookup(&self, job_type: &str, tenant: &str, max: u32) -> Option<PushTarget> {
         let logicals = self.streams.get(job_type)?;
-        let matching: Vec<&Logical> = logicals
+        let candidates = logicals
             .iter()
             .filter(|l| l.props.tenant_ids.iter().any(|t| t == tenant))
-            .collect();
-        if matching.is_empty() {
-            return None;
-        }
-        let turn = self.turn.fetch_add(1, Ordering::Relaxed);
-        let l = matching[turn % matching.len()];
-        let r = &l.recipients[turn % l.recipients.len()];
+            .flat_map(|l| l.recipients.iter().map(move |r| (l, r)));
+        let (l, r) = self.most_credit(candidates)?;
+        let held = self.hold(r, max)?;
         Some(PushTarget {
             props: l.props.clone(),
             recipient: r.clone(),
-            max,
+            max: held,
         })
     }
 
-    /// A target for exactly these properties (back-fill), if the stream still exists.
+    /// Like [`Self::lookup`], for exactly these properties (back-fill).
     pub fn target_for(&self, props: &ActivationProps, max: u32) -> Option<PushTarget> {
         let logicals = self.streams.get(&props.job_type)?;
         let l = logicals.iter().find(|l| &l.props == props)?;
-        let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+        let (_, r) = self.most_credit(l.recipients.iter().map(|r| (l, r)))?;
+        let held = self.hold(r, max)?;
         Some(PushTarget {
             props: props.clone(),
-            recipient: l.recipients[turn % l.recipients.len()].clone(),
-            max,
+            recipient: r.clone(),
+            max: held,
         })
+    }
+
+    /// The candidate with the most available credit; ties are taken in turn.
+    fn most_credit<'a>(
+        &self,
+        candidates: impl Iterator<Item = (&'a Logical, &'a Recipient)>,
+    ) -> Option<(&'a Logical, &'a Recipient)> {
+        let all: Vec<_> = candidates
+            .map(|(l, r)| (l, r, self.available(r)))
+            .filter(|(_, _, c)| *c > 0)
+            .collect();
+        let best = all.iter().map(|(_, _, c)| *c).max()?;
+        let tied: Vec<_> = all.iter().filter(|(_, _, c)| *c == best).collect();
+        let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+        let (l, r, _) = tied[turn % tied.len()];
+        Some((*l, *r))
+    }
+
+    fn available(&self, r: &Recipient) -> u64 {
+        self.credits.get(r).map_or(0, |c| c.available())
+    }
+
+    /// Takes up to `max` of the recipient's credit; `None` when it has none.
+    fn hold(&self, r: &Recipient, max: u32) -> Option<u32> {
+        let mut c = self.credits.get_mut(r)?;
+        let n = c.available().min(u64::from(max));
+        if n == 0 {
+            return None;
+        }
+        c.sent += n;
+        Some(n as u32)
+    }
+
+    /// Takes one credit of `r` for a push to it (try-next); false when it has none.
+    pub fn take_one(&self, r: &Recipient) -> bool {
+        self.hold(r, 1).is_some()
+    }
+
+    /// Gives back credit held for pushes that were not made.
+    pub fn refund(&self, r: &Recipient, n: u64) {
+        if let Some(mut c) = self.credits.get_mut(r) {
+            c.sent = c.sent.saturating_sub(n);
+        }
+    }
+
+    /// A gateway reported a stream's credit. True when the stream had no credit left
+    /// and now has some: its backlog can be back-filled.
+    pub fn report_credit(&self, link: u64, stream_id: u64, share: u64, received: u64) -> bool {
+        let r = Recipient { link, stream_id };
+        let mut c = self.credits.entry(r).or_default();
+        let before = c.available();
+        c.share = share;
+        // Reports can overtake nothing on one link, but be safe with stale ones.
+        c.received = c.received.max(received);
+        before == 0 && c.available() > 0
     }
 
     /// Every recipient of the logical stream with these properties, starting after
@@ -302,6 +378,12 @@ mod tests {
         assert!(reg.lookup("a", DEFAULT_TENANT, 1).is_none());
         reg.register(l1.id, 10, props("a", "w"));
         reg.register(l2.id, 20, props("a", "w"));
+        assert!(
+            reg.lookup("a", DEFAULT_TENANT, 1).is_none(),
+            "no credit reported yet"
+        );
+        assert!(reg.report_credit(l1.id, 10, 100, 0), "first credit");
+        assert!(reg.report_credit(l2.id, 20, 100, 0));
         assert!(reg.lookup("b", DEFAULT_TENANT, 1).is_none());
         assert!(reg.lookup("a", "acme", 1).is_none(), "other tenant");
         let mut seen = std::collections::BTreeSet::new();
@@ -311,6 +393,7 @@ mod tests {
             assert_eq!(t.max, 5);
             seen.insert(t.recipient.stream_id);
         }
+        // Equal credit: both gateways get turns (most credit first, ties rotate).
         assert_eq!(
             seen.into_iter().collect::<Vec<_>>(),
             vec![10, 20],
@@ -337,6 +420,9 @@ mod tests {
         reg.register(l1.id, 1, props("a", "w"));
         reg.register(l1.id, 2, props("b", "w"));
         reg.register(l2.id, 1, props("a", "w"));
+        for (l, s) in [(l1.id, 1), (l1.id, 2), (l2.id, 1)] {
+            reg.report_credit(l, s, 10, 0);
+        }
         reg.remove_link(l1.id);
         assert!(reg.lookup("b", DEFAULT_TENANT, 1).is_none());
         let t = reg
@@ -347,6 +433,54 @@ mod tests {
         reg.unregister(l2.id, 1);
         assert!(reg.lookup("a", DEFAULT_TENANT, 1).is_none());
         assert!(reg.all_props().is_empty());
+    }
+
+    #[test]
+    fn credit_is_held_refunded_and_reconciled_with_the_gateways_count() {
+        let reg = JobStreamRegistry::default();
+        let (l, _rx) = reg.add_link();
+        reg.register(l.id, 1, props("a", "w"));
+        let r = Recipient {
+            link: l.id,
+            stream_id: 1,
+        };
+        assert!(reg.report_credit(l.id, 1, 5, 0));
+        // A command for 3 jobs holds 3; the next may hold the 2 left, then none.
+        assert_eq!(reg.lookup("a", DEFAULT_TENANT, 3).map(|t| t.max), Some(3));
+        assert_eq!(reg.lookup("a", DEFAULT_TENANT, 3).map(|t| t.max), Some(2));
+        assert!(
+            reg.lookup("a", DEFAULT_TENANT, 3).is_none(),
+            "no credit: no push"
+        );
+        assert!(!reg.take_one(&r));
+        // The first command pushed only 1 of its 3: 2 come back.
+        reg.refund(&r, 2);
+        assert_eq!(reg.lookup("a", DEFAULT_TENANT, 9).map(|t| t.max), Some(2));
+        // 5 sent; the gateway saw 4 of them and has 1 free of its share 2: 1 push is
+        // on its way, so nothing is free here.
+        assert!(!reg.report_credit(l.id, 1, 1, 4));
+        assert!(reg.lookup("a", DEFAULT_TENANT, 1).is_none());
+        // It saw all 5 and 3 finished: 3 free, after none.
+        assert!(
+            reg.report_credit(l.id, 1, 3, 5),
+            "credit after none: back-fill"
+        );
+        assert_eq!(reg.lookup("a", DEFAULT_TENANT, 9).map(|t| t.max), Some(3));
+    }
+
+    #[test]
+    fn the_recipient_with_the_most_credit_is_chosen() {
+        let reg = JobStreamRegistry::default();
+        let (l1, _rx1) = reg.add_link();
+        let (l2, _rx2) = reg.add_link();
+        reg.register(l1.id, 1, props("a", "w"));
+        reg.register(l2.id, 1, props("a", "w2"));
+        reg.report_credit(l1.id, 1, 2, 0);
+        reg.report_credit(l2.id, 1, 7, 0);
+        let t = reg.lookup("a", DEFAULT_TENANT, 1).expect("credit");
+        assert_eq!((t.recipient.link, t.props.worker.as_str()), (l2.id, "w2"));
+        assert_eq!(reg.target_for(&props("a", "w"), 5).map(|t| t.max), Some(2));
+        assert!(reg.target_for(&props("a", "w"), 5).is_none());
     }
 
     #[tokio::test(start_paused = true)]

@@ -3,7 +3,6 @@
 //! never fatal.
 
 use crate::config::BrokerConfig;
-use crate::engine::LogCommand;
 use crate::metrics;
 use crate::partition::{Notices, Partition};
 use crate::raft::{SnapshotChunkHeader, TypeConfig};
@@ -203,17 +202,20 @@ fn on_gateway_message(
             }
         }
         Some(gateway_message::Kind::Unregister(u)) => registry.unregister(link.id, u.stream_id),
-        Some(gateway_message::Kind::Ready(r)) => {
-            // Room again after refusals: whatever was yielded meanwhile is waiting.
-            if let Some(props) = registry.props_of(link.id, r.stream_id) {
-                for p in partitions.values() {
-                    p.backfill(props.clone());
+        Some(gateway_message::Kind::Credit(c)) => {
+            let fresh = registry.report_credit(link.id, c.stream_id, u64::from(c.free), c.received);
+            if fresh {
+                // Credit after none: the backlog that waited for it goes now.
+                if let Some(props) = registry.props_of(link.id, c.stream_id) {
+                    for p in partitions.values() {
+                        p.backfill(props.clone());
+                    }
                 }
             }
         }
         Some(gateway_message::Kind::PushAck(a)) => link.acked(a.push_id, a.accepted, a.reason),
         Some(gateway_message::Kind::YieldJob(y)) => {
-            let Some(p) = partitions.get(&y.partition_id).cloned() else {
+            let Some(p) = partitions.get(&y.partition_id) else {
                 tracing::warn!(
                     partition = y.partition_id,
                     "yield for a partition not hosted here dropped"
@@ -221,16 +223,8 @@ fn on_gateway_message(
                 return;
             };
             metrics::YIELDS.with_label_values(&["gateway"]).inc();
-            tokio::spawn(async move {
-                let cmd = LogCommand::Yield {
-                    key: JobKey(y.key),
-                    lease: y.lease,
-                };
-                if let Err(e) = p.propose(cmd).await {
-                    // The job stays activated; its deadline recovers it.
-                    tracing::debug!(job = y.key, error = %e, "gateway yield not applied");
-                }
-            });
+            // Paced like every yield; its deadline is unknown here, so never skipped.
+            p.queue_yield(JobKey(y.key), y.lease, i64::MAX);
         }
         None => tracing::warn!(link = link.id, "empty link message dropped"),
     }

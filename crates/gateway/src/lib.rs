@@ -6,7 +6,8 @@
 //! - [`router`]: sends a request to a partition's leader, retrying until its deadline.
 //! - [`long_poll`]: [`long_poll::LongPollQueue`], where ActivateJobs requests park.
 //! - [`streams`]: [`streams::AggregatedStreams`], job push: StreamActivatedJobs clients
-//!   aggregated by activation properties, registered with every broker link.
+//!   aggregated by activation properties, registered with every broker link, and
+//!   flow control (client credit, in-flight bounds, credit reports to brokers).
 //! - [`link`]: one task per broker keeping the gateway <-> broker link open.
 //! - [`service`]: the `gateway_protocol.Gateway` and `courier.v1.Jobs` services.
 //! - [`metrics`]: Prometheus metrics in the default registry.
@@ -55,9 +56,16 @@ pub struct GatewayConfig {
     pub default_request_timeout: Duration,
     /// How often topology is refreshed from the brokers (default 500 ms).
     pub topology_refresh: Duration,
-    /// Pushed jobs buffered per StreamActivatedJobs client before it counts as full
-    /// (default 32, Zeebe clients' default maxJobsActive).
-    pub client_buffer: usize,
+    /// Pushed jobs a StreamActivatedJobs client may hold unfinished, unless its
+    /// request states its own in the `courier-max-jobs-active` header (default 32,
+    /// Zeebe clients' default maxJobsActive).
+    pub client_credit: u32,
+    /// Pushed jobs held unfinished across all clients past which pushes are refused
+    /// with `gateway_full` (default 100,000).
+    pub max_inflight_jobs: usize,
+    /// Bytes (variables and custom headers) of those jobs past which pushes are
+    /// refused with `gateway_full` (default 256 MiB).
+    pub max_inflight_bytes: usize,
     /// Whether StreamActivatedJobs is served; without it workers long-poll
     /// (default true).
     pub push_enabled: bool,
@@ -70,7 +78,9 @@ impl Default for GatewayConfig {
             default_long_poll: Duration::from_secs(10),
             default_request_timeout: Duration::from_secs(15),
             topology_refresh: Duration::from_millis(500),
-            client_buffer: 32,
+            client_credit: 32,
+            max_inflight_jobs: 100_000,
+            max_inflight_bytes: 256 * 1024 * 1024,
             push_enabled: true,
         }
     }
@@ -88,7 +98,11 @@ pub async fn serve(
     let stop = shutdown.child_token();
     let tasks = TaskTracker::new();
     let queue = long_poll::LongPollQueue::new();
-    let streams = streams::AggregatedStreams::new(config.client_buffer);
+    let streams = streams::AggregatedStreams::new(streams::Limits {
+        client_credit: config.client_credit,
+        max_inflight_jobs: config.max_inflight_jobs,
+        max_inflight_bytes: config.max_inflight_bytes,
+    });
     let gateway_id = format!("gateway-{:016x}", rand::random::<u64>());
     tracing::info!(
         gateway_id,
@@ -99,7 +113,9 @@ pub async fn serve(
 
     let t = topology.clone();
     let (every, token) = (config.topology_refresh, stop.clone());
+    let leadership = topology.leadership();
     tasks.spawn(async move { t.run(every, token).await });
+    tasks.spawn(streams.clone().run(leadership, stop.clone()));
     let links = link::BrokerLink::new(
         topology.clone(),
         queue.clone(),

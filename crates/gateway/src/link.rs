@@ -2,8 +2,9 @@
 //! open and handles what the broker sends on it.
 //!
 //! The gateway's side of each link is a queue owned by [`AggregatedStreams`]: it
-//! starts with the hello and the registration of every aggregated stream, and carries
-//! registration changes, yields, and this task's acks to the broker's pushes.
+//! starts with the hello and the registration and credit of every aggregated stream,
+//! and carries registration and credit changes, yields, and this task's acks to the
+//! broker's pushes.
 
 use crate::backoff::Backoff;
 use crate::long_poll::LongPollQueue;
@@ -166,7 +167,7 @@ impl BrokerLink {
             };
             match next {
                 Ok(Some(msg)) => {
-                    if let Some(reply) = self.handle(node, msg) {
+                    if let Some(reply) = self.handle(node, msg, &link.outbound) {
                         link.outbound.send(reply, "ack");
                     }
                 }
@@ -184,7 +185,12 @@ impl BrokerLink {
 
     /// One message from a broker, and the answer to send back if it needs one. Never
     /// fails: a message that makes no sense is logged and dropped, the link stays up.
-    fn handle(&self, node: NodeId, msg: BrokerMessage) -> Option<GatewayMessage> {
+    fn handle(
+        &self,
+        node: NodeId,
+        msg: BrokerMessage,
+        link: &AttachedLink,
+    ) -> Option<GatewayMessage> {
         match msg.kind {
             Some(broker_message::Kind::JobsAvailable(j)) => {
                 if j.r#type.is_empty() {
@@ -200,7 +206,12 @@ impl BrokerLink {
                 self.queue.notify(&j.r#type);
                 None
             }
-            Some(broker_message::Kind::Push(p)) => self.push(node, p),
+            Some(broker_message::Kind::Push(p)) => Self::push(node, p, link),
+            Some(broker_message::Kind::Finished(f)) => {
+                tracing::trace!(node, job_key = f.key, lease = f.lease, "job finished");
+                self.streams.finished(f.key, f.lease);
+                None
+            }
             // A kind this gateway does not know (a newer broker) decodes as None.
             None => {
                 tracing::warn!(node, "dropping a link message of unknown kind");
@@ -209,7 +220,7 @@ impl BrokerLink {
         }
     }
 
-    fn push(&self, node: NodeId, p: PushJob) -> Option<GatewayMessage> {
+    fn push(node: NodeId, p: PushJob, link: &AttachedLink) -> Option<GatewayMessage> {
         let span = tracing::debug_span!(
             "push",
             node,
@@ -219,7 +230,7 @@ impl BrokerLink {
             job_key = p.job.as_ref().map(|j| j.key),
         );
         let _entered = span.enter();
-        let ack = self.streams.push(node, p)?;
+        let ack = link.push(p)?;
         if ack.accepted {
             tracing::trace!("pushed job handed to a client");
         } else {

@@ -4,7 +4,9 @@
 //! instead of failing to register twice. A metric that cannot be created or registered
 //! is logged and the gateway runs on without it: metrics never take a request down.
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+};
 use std::sync::LazyLock;
 use std::time::Instant;
 
@@ -22,6 +24,11 @@ struct Metrics {
     push_try_next: IntCounter,
     jobs_yielded: IntCounterVec,
     link_messages_dropped: IntCounterVec,
+    credit_in_use: IntGaugeVec,
+    credit_free: IntGaugeVec,
+    inflight_jobs: IntGauge,
+    inflight_bytes: IntGauge,
+    credit_reports: IntCounter,
 }
 
 static METRICS: LazyLock<Option<Metrics>> = LazyLock::new(|| match build() {
@@ -86,7 +93,7 @@ fn build() -> prometheus::Result<Metrics> {
         push_rejected: IntCounterVec::new(
             Opts::new(
                 "courier_gateway_push_rejected_total",
-                "Pushed jobs refused, by reason (no_client, unknown_stream, clients_full, malformed)",
+                "Pushed jobs refused, by reason (no_client, unknown_stream, clients_full, gateway_full, malformed)",
             ),
             &["reason"],
         )?,
@@ -108,9 +115,35 @@ fn build() -> prometheus::Result<Metrics> {
             ),
             &["kind"],
         )?,
+        credit_in_use: IntGaugeVec::new(
+            Opts::new(
+                "courier_gateway_credit_in_use",
+                "Pushed jobs held unfinished by stream clients, by job type",
+            ),
+            &["type"],
+        )?,
+        credit_free: IntGaugeVec::new(
+            Opts::new(
+                "courier_gateway_credit_free",
+                "Credit of stream clients not in use (credit minus jobs held), by job type",
+            ),
+            &["type"],
+        )?,
+        inflight_jobs: IntGauge::new(
+            "courier_gateway_inflight_jobs",
+            "Pushed jobs the gateway holds unfinished, across all clients",
+        )?,
+        inflight_bytes: IntGauge::new(
+            "courier_gateway_inflight_bytes",
+            "Variables and custom headers bytes of the pushed jobs the gateway holds unfinished",
+        )?,
+        credit_reports: IntCounter::new(
+            "courier_gateway_credit_reports_total",
+            "StreamCredit reports sent to brokers",
+        )?,
     };
     let registry = prometheus::default_registry();
-    let collectors: [Box<dyn prometheus::core::Collector>; 13] = [
+    let collectors: [Box<dyn prometheus::core::Collector>; 18] = [
         Box::new(m.requests.clone()),
         Box::new(m.request_duration.clone()),
         Box::new(m.long_poll_parked.clone()),
@@ -124,6 +157,11 @@ fn build() -> prometheus::Result<Metrics> {
         Box::new(m.push_try_next.clone()),
         Box::new(m.jobs_yielded.clone()),
         Box::new(m.link_messages_dropped.clone()),
+        Box::new(m.credit_in_use.clone()),
+        Box::new(m.credit_free.clone()),
+        Box::new(m.inflight_jobs.clone()),
+        Box::new(m.inflight_bytes.clone()),
+        Box::new(m.credit_reports.clone()),
     ];
     for c in collectors {
         if let Err(e) = registry.register(c) {
@@ -250,5 +288,45 @@ pub fn job_yielded(reason: &'static str) {
 pub fn link_message_dropped(kind: &'static str) {
     if let Some(m) = METRICS.as_ref() {
         m.link_messages_dropped.with_label_values(&[kind]).inc();
+    }
+}
+
+/// Counts a StreamCredit report sent to a broker.
+pub fn credit_report_sent() {
+    if let Some(m) = METRICS.as_ref() {
+        m.credit_reports.inc();
+    }
+}
+
+/// Adds to the gateway's in-flight jobs and bytes gauges. Deltas rather than values,
+/// so several gateways in one process add up instead of overwriting each other.
+pub fn inflight(jobs: i64, bytes: i64) {
+    if let Some(m) = METRICS.as_ref() {
+        m.inflight_jobs.add(jobs);
+        m.inflight_bytes.add(bytes);
+    }
+}
+
+/// The credit gauges of one job type, looked up once per aggregated stream rather
+/// than by label on every push.
+pub struct CreditGauges(Option<(IntGauge, IntGauge)>);
+
+impl CreditGauges {
+    /// The gauges labelled with `job_type`.
+    pub fn for_type(job_type: &str) -> Self {
+        CreditGauges(METRICS.as_ref().map(|m| {
+            (
+                m.credit_in_use.with_label_values(&[job_type]),
+                m.credit_free.with_label_values(&[job_type]),
+            )
+        }))
+    }
+
+    /// Adds `in_use` to the credit in use and `free` to the free credit.
+    pub fn add(&self, in_use: i64, free: i64) {
+        if let Some((u, f)) = &self.0 {
+            u.add(in_use);
+            f.add(free);
+        }
     }
 }

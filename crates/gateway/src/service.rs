@@ -6,7 +6,7 @@ use crate::error::GatewayError;
 use crate::long_poll::LongPollQueue;
 use crate::metrics::{self, RequestObserver};
 use crate::router::{instant_after, request_deadline, Router};
-use crate::streams::AggregatedStreams;
+use crate::streams::{AggregatedStreams, MAX_CLIENT_CREDIT};
 use crate::topology::{ClusterView, Topology};
 use courier_proto::convert;
 use courier_proto::courier_v1::{self as v1, jobs_server::Jobs};
@@ -39,6 +39,9 @@ const LONG_POLL_MARGIN: Duration = Duration::from_millis(100);
 pub const MAX_BATCH: usize = 10_000;
 /// The version reported by Topology.
 const VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The StreamActivatedJobs request header in which Courier's worker states its
+/// credit (its max jobs active); Zeebe clients never send it.
+pub const MAX_JOBS_ACTIVE_HEADER: &str = "courier-max-jobs-active";
 
 /// Rotates the first partition of successive visits, so that requests spread over
 /// partitions instead of all draining partition 1 first.
@@ -265,6 +268,24 @@ impl Shared {
     }
 }
 
+/// The credit a StreamActivatedJobs request states in [`MAX_JOBS_ACTIVE_HEADER`], if
+/// present and within `1..=MAX_CLIENT_CREDIT`; otherwise the gateway's default applies.
+fn stated_credit(metadata: &tonic::metadata::MetadataMap) -> Option<u32> {
+    let value = metadata.get(MAX_JOBS_ACTIVE_HEADER)?;
+    let credit = value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .filter(|n| (1..=MAX_CLIENT_CREDIT).contains(n));
+    if credit.is_none() {
+        tracing::debug!(
+            ?value,
+            "ignoring an invalid {MAX_JOBS_ACTIVE_HEADER} header"
+        );
+    }
+    credit
+}
+
 fn invalid(message: impl Into<String>) -> GatewayError {
     GatewayError::InvalidArgument(message.into())
 }
@@ -383,9 +404,13 @@ impl Gateway for GatewayService {
             }
         };
         let (job_type, worker) = (props.job_type.clone(), props.worker.clone());
-        let client = self.0.streams.join(props);
+        let client = self
+            .0
+            .streams
+            .join(props, stated_credit(request.metadata()));
         tracing::debug!(
             stream_id = client.stream_id(),
+            credit = client.credit(),
             job_type,
             worker,
             "stream client joined"
@@ -408,12 +433,15 @@ impl Gateway for GatewayService {
         &self,
         request: tonic::Request<gw::CompleteJobRequest>,
     ) -> Result<Response<gw::CompleteJobResponse>, Status> {
+        // Credit is released only for a hand-off before this request began.
+        let since = Instant::now();
         let deadline = self.0.deadline(&request);
         let r = request.into_inner();
         let span = tracing::info_span!("CompleteJob", job_key = r.job_key);
         unary("CompleteJob", span, async {
             let command = convert::complete_request(&r);
             self.0.job_command(r.job_key, command, deadline).await?;
+            self.0.streams.finished_here(r.job_key, since);
             Ok(gw::CompleteJobResponse {})
         })
         .await
@@ -423,12 +451,15 @@ impl Gateway for GatewayService {
         &self,
         request: tonic::Request<gw::FailJobRequest>,
     ) -> Result<Response<gw::FailJobResponse>, Status> {
+        // Credit is released only for a hand-off before this request began.
+        let since = Instant::now();
         let deadline = self.0.deadline(&request);
         let r = request.into_inner();
         let span = tracing::info_span!("FailJob", job_key = r.job_key, retries = r.retries);
         unary("FailJob", span, async {
             let command = convert::fail_request(&r);
             self.0.job_command(r.job_key, command, deadline).await?;
+            self.0.streams.finished_here(r.job_key, since);
             Ok(gw::FailJobResponse {})
         })
         .await
@@ -438,6 +469,8 @@ impl Gateway for GatewayService {
         &self,
         request: tonic::Request<gw::ThrowErrorRequest>,
     ) -> Result<Response<gw::ThrowErrorResponse>, Status> {
+        // Credit is released only for a hand-off before this request began.
+        let since = Instant::now();
         let deadline = self.0.deadline(&request);
         let r = request.into_inner();
         let span =
@@ -445,6 +478,7 @@ impl Gateway for GatewayService {
         unary("ThrowError", span, async {
             let command = convert::throw_error_request(&r);
             self.0.job_command(r.job_key, command, deadline).await?;
+            self.0.streams.finished_here(r.job_key, since);
             Ok(gw::ThrowErrorResponse {})
         })
         .await
@@ -470,6 +504,8 @@ impl Gateway for GatewayService {
         &self,
         request: tonic::Request<gw::UpdateJobTimeoutRequest>,
     ) -> Result<Response<gw::UpdateJobTimeoutResponse>, Status> {
+        // Only a hand-off before this request began gets the new deadline.
+        let since = Instant::now();
         let deadline = self.0.deadline(&request);
         let r = request.into_inner();
         let span =
@@ -477,6 +513,7 @@ impl Gateway for GatewayService {
         unary("UpdateJobTimeout", span, async {
             let command = convert::update_timeout_request(&r);
             self.0.job_command(r.job_key, command, deadline).await?;
+            self.0.streams.timeout_updated(r.job_key, r.timeout, since);
             Ok(gw::UpdateJobTimeoutResponse {})
         })
         .await
@@ -719,6 +756,22 @@ mod tests {
         let e = create_batch(&[ok, bad]).unwrap_err();
         assert!(matches!(e, GatewayError::InvalidArgument(_)));
         assert!(e.to_string().starts_with("jobs[1]: variables"), "{e}");
+    }
+
+    #[test]
+    fn a_valid_max_jobs_active_header_states_the_credit() {
+        let stated = |v: &str| {
+            let mut md = tonic::metadata::MetadataMap::new();
+            md.insert(MAX_JOBS_ACTIVE_HEADER, v.parse().unwrap());
+            stated_credit(&md)
+        };
+        assert_eq!(stated("5"), Some(5));
+        assert_eq!(stated(" 10000 "), Some(10_000));
+        assert_eq!(stated("1"), Some(1));
+        for bad in ["0", "10001", "-3", "many", ""] {
+            assert_eq!(stated(bad), None, "{bad:?}");
+        }
+        assert_eq!(stated_credit(&tonic::metadata::MetadataMap::new()), None);
     }
 
     #[test]

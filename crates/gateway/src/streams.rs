@@ -1,6 +1,6 @@
 //! Job push, the gateway's half: client job streams aggregated by activation
-//! properties, their registration with every broker link, and the hand-off of pushed
-//! jobs to clients.
+//! properties, their registration with every broker link, the hand-off of pushed
+//! jobs to clients, and flow control.
 //!
 //! Everything lives under one mutex and nothing under it waits: client buffers and
 //! link queues are written with `try_send`. Holding the lock while queueing is what
@@ -8,38 +8,82 @@
 //! and a client leaving are totally ordered, so a broker never misses a registration
 //! or keeps one the gateway has dropped.
 //!
-//! Message flow per link: `Hello`, then `RegisterStream` for every current stream,
-//! then `RegisterStream` / `UnregisterStream` as streams come and go, a `PushAck` for
-//! every `PushJob`, and `YieldJob` for jobs whose client left before taking them.
+//! # Flow control
+//! Each client has a credit: how many pushed jobs it may hold unfinished. A job
+//! counts against its client from hand-off until it is completed, failed or thrown
+//! through this gateway, a broker says it finished (`JobFinished`), or its
+//! activation deadline passes. Jobs go to the clients in turn (round-robin), skipping
+//! any without free credit; a client's buffer holds as many jobs as its credit, so a client
+//! whose buffer is full (its HTTP/2 window is) has none. The gateway as a whole
+//! holds at most `max_inflight_jobs` jobs and `max_inflight_bytes` bytes.
+//!
+//! Each broker link hears, per stream, its share of the stream's free credit and
+//! how many pushes for the stream it has received from that broker on this
+//! connection (`StreamCredit`); the broker may push `free - (sent - received)` more.
+//! A push changes neither side of that sum, so pushes alone send no report: a
+//! stream is marked dirty when credit comes back or its split may have changed, and
+//! a flusher sends the reports that changed, at most every [`FLUSH_GAP`].
+//!
+//! Message flow per link: `Hello`, then `RegisterStream` and `StreamCredit` for
+//! every current stream, then `RegisterStream` / `UnregisterStream` as streams come
+//! and go, `StreamCredit` as credit changes, a `PushAck` for every `PushJob`, and
+//! `YieldJob` for jobs whose client left before taking them.
 
-use crate::metrics;
+use crate::metrics::{self, CreditGauges};
 use courier_proto::cluster::{
-    gateway_message, GatewayMessage, PushAck, PushJob, RegisterStream, StreamProps, StreamReady,
+    gateway_message, GatewayMessage, PushAck, PushJob, RegisterStream, StreamCredit, StreamProps,
     UnregisterStream, YieldJob,
 };
 use courier_proto::domain::{ActivationProps, NodeId};
 use courier_proto::gateway_protocol as gw;
 use futures::Stream;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
-use tokio::sync::mpsc::{self, error::TrySendError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc, watch, Notify};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-/// Messages a link may have queued towards its broker beyond the registrations it
-/// starts with. Nothing waits for room (a wait could deadlock against a broker that
-/// waits for us): when full, the broker has stopped reading and the link is reset.
+/// Messages a link may have queued towards its broker beyond the registrations and
+/// reports it starts with. Nothing waits for room (a wait could deadlock against a
+/// broker that waits for us): when full, the broker has stopped reading and the
+/// link is reset.
 const OUTBOUND_BUFFER: usize = 1024;
+/// Least time between two flushes of credit reports: credit released within it goes
+/// out in one report per stream and link, not one per job.
+const FLUSH_GAP: Duration = Duration::from_millis(2);
+/// How often passed activation deadlines release their credit. A backstop: the
+/// broker's `JobFinished` for a timed-out job normally comes first.
+const SWEEP_EVERY: Duration = Duration::from_millis(100);
+/// Bound on how long a job is held, so an absurd deadline cannot overflow an Instant.
+const MAX_HOLD: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+/// Most credit a client may state for itself.
+pub const MAX_CLIENT_CREDIT: u32 = 10_000;
 
 /// [`PushAck::reason`] when the stream has no client.
 pub const NO_CLIENT: &str = "no_client";
 /// [`PushAck::reason`] when the push names a stream this gateway does not have (any
 /// more: it may have just lost its last client).
 pub const UNKNOWN_STREAM: &str = "unknown_stream";
-/// [`PushAck::reason`] when every client of the stream had a full buffer.
+/// [`PushAck::reason`] when no client of the stream had free credit.
 pub const CLIENTS_FULL: &str = "clients_full";
+/// [`PushAck::reason`] when the gateway holds its most jobs or bytes in flight.
+pub const GATEWAY_FULL: &str = "gateway_full";
+
+/// The flow-control bounds.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Credit of a client that states none.
+    pub client_credit: u32,
+    /// Most pushed jobs held unfinished across all clients.
+    pub max_inflight_jobs: usize,
+    /// Most bytes (variables and custom headers) of those jobs.
+    pub max_inflight_bytes: usize,
+}
 
 /// A pushed job waiting in a client's buffer, with what a yield needs.
 struct Buffered {
@@ -52,19 +96,61 @@ struct Buffered {
 }
 
 struct Client {
-    id: u64,
+    /// Its capacity is the credit.
     tx: mpsc::Sender<Buffered>,
+    credit: u32,
+    /// Jobs handed to it and not finished, buffered or not.
+    held: u32,
+    /// Set when the last report of the stream was held down by this client's buffer
+    /// (jobs released while still buffered): the client taking a job then makes the
+    /// stream report again, or that credit would never be offered.
+    starved: Arc<AtomicBool>,
+}
+
+impl Client {
+    /// Jobs it may be handed now. Its buffer's room bounds it too: jobs whose credit
+    /// came back may still sit in the buffer.
+    fn free(&self) -> u32 {
+        let room = u32::try_from(self.tx.capacity()).unwrap_or(u32::MAX);
+        self.credit.saturating_sub(self.held).min(room)
+    }
 }
 
 /// Client streams that share activation properties.
 struct Aggregated {
     props: ActivationProps,
-    clients: Vec<Client>,
-    /// The client the next job is offered to first.
+    /// Client ids, in the order the rotation visits them.
+    clients: Vec<u64>,
+    /// Where the next search for the client with the most credit starts, so ties
+    /// go round.
     next: usize,
-    /// A push was refused with every client full since the brokers last heard the
-    /// stream has room: the next job a client takes sends them `StreamReady`.
-    refused: bool,
+    /// Where the remainder of the credit split starts, so it goes round the brokers.
+    rotate: usize,
+    gauges: CreditGauges,
+}
+
+/// A pushed job counted against a client until it finishes.
+struct Held {
+    stream_id: u64,
+    /// May name a client that left: the job still counts against the gateway.
+    client_id: u64,
+    lease: u64,
+    /// When the activation times out, in the gateway's clock.
+    deadline: Instant,
+    /// Variables and custom headers.
+    bytes: usize,
+    /// When it was handed off: a finish through this gateway whose request started
+    /// earlier is about an older activation of the same job.
+    since: Instant,
+}
+
+/// What a link has heard of one stream on its current connection.
+#[derive(Default)]
+struct LinkStream {
+    /// `PushJob`s for the stream received on this connection.
+    received: u64,
+    /// The last report sent: (free share, received).
+    reported: Option<(u32, u64)>,
 }
 
 /// A broker link's outbound queue, as known to the registry.
@@ -75,6 +161,8 @@ struct LinkEntry {
     /// Cancelled when a message could not be queued: the link must be re-opened so
     /// the broker's view is rebuilt from scratch.
     broken: CancellationToken,
+    /// Per stream id; starts empty with each connection, as the broker's view does.
+    streams: HashMap<u64, LinkStream>,
 }
 
 /// `ActivationProps` as a map key. Its fetch variables and tenant ids arrive sorted
@@ -93,38 +181,73 @@ impl Hash for PropsKey {
     }
 }
 
-#[derive(Default)]
 struct State {
+    limits: Limits,
     by_props: HashMap<PropsKey, u64>,
     streams: HashMap<u64, Aggregated>,
+    clients: HashMap<u64, Client>,
     links: HashMap<NodeId, LinkEntry>,
+    /// Job key -> its hand-off, so finishing is O(1).
+    held: HashMap<i64, Held>,
+    /// (deadline, job key) of every held job, earliest first.
+    deadlines: BTreeSet<(Instant, i64)>,
+    inflight_bytes: usize,
+    /// A push was refused for the gateway's bounds and nothing was released since:
+    /// reports say no room, so brokers do not keep pushing into a full gateway.
+    full: bool,
+    /// Streams whose reports must be recomputed.
+    dirty: HashSet<u64>,
+    /// Streams whose last report was cut down to the gateway's headroom: credit
+    /// released anywhere changes theirs too.
+    capped: HashSet<u64>,
+    /// Partitions led per broker: the weights of the credit split.
+    leaders: BTreeMap<NodeId, u32>,
     last_stream: u64,
     last_client: u64,
     last_conn: u64,
 }
 
-/// The gateway's aggregated streams and the broker links they are registered with.
+/// The gateway's aggregated streams, the broker links they are registered with, and
+/// the credit of their clients.
 pub struct AggregatedStreams {
-    client_buffer: usize,
     state: Mutex<State>,
+    /// Wakes the flusher when streams are marked dirty.
+    wake: Notify,
 }
 
 impl AggregatedStreams {
-    /// An empty registry whose clients buffer up to `client_buffer` jobs each.
-    pub fn new(client_buffer: usize) -> Arc<Self> {
+    /// An empty registry with these bounds.
+    pub fn new(limits: Limits) -> Arc<Self> {
         Arc::new(AggregatedStreams {
-            // A zero-capacity channel panics; one job is the least a client can take.
-            client_buffer: client_buffer.max(1),
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                limits,
+                by_props: HashMap::new(),
+                streams: HashMap::new(),
+                clients: HashMap::new(),
+                links: HashMap::new(),
+                held: HashMap::new(),
+                deadlines: BTreeSet::new(),
+                inflight_bytes: 0,
+                full: false,
+                dirty: HashSet::new(),
+                capped: HashSet::new(),
+                leaders: BTreeMap::new(),
+                last_stream: 0,
+                last_client: 0,
+                last_conn: 0,
+            }),
+            wake: Notify::new(),
         })
     }
 
-    /// Adds a client with `props`, creating (and registering with every link) the
-    /// aggregated stream if it is the first. The client leaves when the returned
-    /// stream is dropped.
-    pub fn join(self: &Arc<Self>, props: ActivationProps) -> ClientStream {
-        let (tx, rx) = mpsc::channel(self.client_buffer);
+    /// Adds a client with `props` and `credit` (the default credit when `None`),
+    /// creating (and registering with every link) the aggregated stream if it is the
+    /// first. The client leaves when the returned stream is dropped.
+    pub fn join(self: &Arc<Self>, props: ActivationProps, credit: Option<u32>) -> ClientStream {
         let mut st = self.lock();
+        // A zero-capacity channel panics; one job is the least a client can take.
+        let credit = credit.unwrap_or(st.limits.client_credit).max(1);
+        let (tx, rx) = mpsc::channel(usize::try_from(credit).unwrap_or(usize::MAX));
         st.last_client += 1;
         let client_id = st.last_client;
         let key = PropsKey(props);
@@ -137,10 +260,11 @@ impl AggregatedStreams {
                 st.streams.insert(
                     id,
                     Aggregated {
+                        gauges: CreditGauges::for_type(&key.0.job_type),
                         props: key.0.clone(),
                         clients: Vec::new(),
                         next: 0,
-                        refused: false,
+                        rotate: 0,
                     },
                 );
                 st.by_props.insert(key, id);
@@ -149,21 +273,37 @@ impl AggregatedStreams {
                 id
             }
         };
+        let starved = Arc::new(AtomicBool::new(false));
         if let Some(s) = st.streams.get_mut(&stream_id) {
-            s.clients.push(Client { id: client_id, tx });
+            s.clients.push(client_id);
+            s.gauges.add(0, i64::from(credit));
         }
+        st.clients.insert(
+            client_id,
+            Client {
+                tx,
+                credit,
+                held: 0,
+                starved: starved.clone(),
+            },
+        );
+        st.dirty.insert(stream_id);
         metrics::stream_clients(1);
+        self.wake_if_dirty(&st);
         ClientStream {
             streams: Arc::clone(self),
             stream_id,
             client_id,
+            credit,
             rx,
+            starved,
         }
     }
 
-    /// Hands a job pushed by broker `node` to one client of its stream and says how
-    /// it went, for the `PushAck`. `None`: the push carries no job, and is dropped.
-    pub fn push(&self, node: NodeId, push: PushJob) -> Option<PushAck> {
+    /// Hands a job pushed by broker `node` on its link connection `conn` to the
+    /// next client of its stream with free credit, and says how it went, for the
+    /// `PushAck`. `None`: the push carries no job, and is dropped.
+    fn push(&self, node: NodeId, conn: u64, push: PushJob) -> Option<PushAck> {
         let Some(job) = push.job else {
             metrics::push_rejected("malformed");
             tracing::warn!(
@@ -179,19 +319,16 @@ impl AggregatedStreams {
             partition: push.partition_id,
             lease: push.lease,
         };
-        let stream_id = push.stream_id;
         let mut st = self.lock();
-        let outcome = st.offer(stream_id, buffered);
-        if let (Err((_, CLIENTS_FULL)), Some(s)) = (&outcome, st.streams.get_mut(&stream_id)) {
-            s.refused = true;
-        }
+        let outcome = st.accept(node, conn, push.stream_id, buffered);
+        self.wake_if_dirty(&st);
         drop(st);
         let reason = match outcome {
             Ok(()) => {
                 metrics::job_pushed();
                 ""
             }
-            Err((_, reason)) => {
+            Err(reason) => {
                 metrics::push_rejected(reason);
                 reason
             }
@@ -203,16 +340,123 @@ impl AggregatedStreams {
         })
     }
 
+    /// A broker says activation `lease` of job `key` ended: its credit comes back.
+    /// Unknown keys and other activations' leases are ignored, so this is idempotent.
+    pub fn finished(&self, key: i64, lease: u64) {
+        let mut st = self.lock();
+        if st.held.get(&key).is_some_and(|h| h.lease == lease) {
+            st.release(key);
+            self.wake_if_dirty(&st);
+        }
+    }
+
+    /// Job `key` was completed, failed or thrown through this gateway by a request
+    /// that started at `since`: its credit comes back, unless it was handed off after
+    /// `since` (a new activation, pushed while the request was under way).
+    pub fn finished_here(&self, key: i64, since: Instant) {
+        let mut st = self.lock();
+        if st.held.get(&key).is_some_and(|h| h.since <= since) {
+            st.release(key);
+            self.wake_if_dirty(&st);
+        }
+    }
+
+    /// Job `key`'s activation timeout was set to `timeout_ms` from now through this
+    /// gateway by a request that started at `since`: its credit is held until then.
+    pub fn timeout_updated(&self, key: i64, timeout_ms: i64, since: Instant) {
+        let mut st = self.lock();
+        let Some(h) = st.held.get_mut(&key).filter(|h| h.since <= since) else {
+            return;
+        };
+        let old = std::mem::replace(&mut h.deadline, instant_in(timeout_ms));
+        let new = h.deadline;
+        st.deadlines.remove(&(old, key));
+        st.deadlines.insert((new, key));
+    }
+
+    /// Sets how many partitions each broker leads; a change re-splits every
+    /// stream's credit.
+    pub fn set_leaders(&self, led: BTreeMap<NodeId, u32>) {
+        let mut st = self.lock();
+        if st.leaders != led {
+            st.leaders = led;
+            st.mark_all_dirty();
+            self.wake_if_dirty(&st);
+        }
+    }
+
+    /// Sends the credit reports of dirty streams (paced to one flush per
+    /// [`FLUSH_GAP`]), follows `leaders` (partitions led per broker), and releases
+    /// the credit of jobs whose deadline passed, until `shutdown`.
+    pub async fn run(
+        self: Arc<Self>,
+        mut leaders: watch::Receiver<BTreeMap<NodeId, u32>>,
+        shutdown: CancellationToken,
+    ) {
+        self.set_leaders(leaders.borrow_and_update().clone());
+        let mut leaders_open = true;
+        let mut sweep = tokio::time::interval(SWEEP_EVERY);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_flush: Option<Instant> = None;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = self.wake.notified() => {
+                    // Whatever is marked until the gap has passed goes in this flush.
+                    if let Some(last) = last_flush {
+                        tokio::select! {
+                            _ = shutdown.cancelled() => return,
+                            _ = tokio::time::sleep_until(last + FLUSH_GAP) => {}
+                        }
+                    }
+                    self.flush();
+                    last_flush = Some(Instant::now());
+                }
+                changed = leaders.changed(), if leaders_open => match changed {
+                    Ok(()) => self.set_leaders(leaders.borrow_and_update().clone()),
+                    // The topology is gone (shutting down): keep the last split.
+                    Err(_) => leaders_open = false,
+                },
+                _ = sweep.tick() => self.sweep(Instant::now()),
+            }
+        }
+    }
+
+    /// Sends every dirty stream's changed reports.
+    fn flush(&self) {
+        let mut st = self.lock();
+        let dirty: Vec<u64> = st.dirty.drain().collect();
+        st.report(&dirty);
+    }
+
+    /// Releases the credit of every job whose deadline is at or before `now`.
+    fn sweep(&self, now: Instant) {
+        let mut st = self.lock();
+        let mut released = 0usize;
+        while let Some(&(deadline, key)) = st.deadlines.first() {
+            if deadline > now {
+                break;
+            }
+            st.release(key);
+            released += 1;
+        }
+        if released > 0 {
+            tracing::debug!(released, "credit of jobs past their deadline released");
+            self.wake_if_dirty(&st);
+        }
+    }
+
     /// Attaches the outbound side of a link to broker `node`: the returned queue
-    /// starts with `hello` and a `RegisterStream` for every current stream, then gets
-    /// every registration change, until the returned guard is dropped.
+    /// starts with `hello`, a `RegisterStream` and a `StreamCredit` for every current
+    /// stream, then gets every registration and credit change, until the returned
+    /// guard is dropped.
     pub fn attach_link(
         self: &Arc<Self>,
         node: NodeId,
         hello: GatewayMessage,
     ) -> (AttachedLink, mpsc::Receiver<GatewayMessage>) {
         let mut st = self.lock();
-        let (tx, rx) = mpsc::channel(OUTBOUND_BUFFER + st.streams.len() + 1);
+        let (tx, rx) = mpsc::channel(OUTBOUND_BUFFER + 2 * st.streams.len() + 1);
         let broken = CancellationToken::new();
         st.last_conn += 1;
         let conn = st.last_conn;
@@ -225,12 +469,20 @@ impl AggregatedStreams {
             conn,
             tx: tx.clone(),
             broken: broken.clone(),
+            streams: HashMap::new(),
         };
         if let Some(old) = st.links.insert(node, entry) {
             // One link task per broker makes this impossible; if it happened, the
             // old connection's registrations would no longer be kept in step.
             old.broken.cancel();
         }
+        // A broker gives a stream no jobs before it hears its credit: report every
+        // stream now, behind the registrations. The new link changes the split, so
+        // the other links hear their new shares too.
+        st.mark_all_dirty();
+        let all: Vec<u64> = st.dirty.drain().collect();
+        st.report(&all);
+        self.wake_if_dirty(&st);
         let link = AttachedLink {
             streams: Arc::clone(self),
             node,
@@ -248,37 +500,68 @@ impl AggregatedStreams {
 
     /// Clients of all streams right now.
     pub fn client_count(&self) -> usize {
-        self.lock().streams.values().map(|s| s.clients.len()).sum()
+        self.lock().clients.len()
+    }
+
+    /// Jobs and bytes held in flight right now.
+    pub fn inflight(&self) -> (usize, usize) {
+        let st = self.lock();
+        (st.held.len(), st.inflight_bytes)
     }
 
     /// Removes a client; its buffered jobs go to the stream's other clients or back to
-    /// the brokers that pushed them.
+    /// the brokers that pushed them. Jobs it was already given stay counted against
+    /// the gateway until they finish, since its worker may still be running them.
     fn leave(&self, stream_id: u64, client_id: u64, rx: &mut mpsc::Receiver<Buffered>) {
         let mut st = self.lock();
+        let Some(client) = st.clients.remove(&client_id) else {
+            return;
+        };
         let Some(stream) = st.streams.get_mut(&stream_id) else {
             return;
         };
-        let Some(pos) = stream.clients.iter().position(|c| c.id == client_id) else {
-            return;
-        };
-        // Dropping its sender (the only one) means the buffer below is all there is.
-        stream.clients.remove(pos);
-        // The rotation goes on with the client that followed the one removed.
-        if pos < stream.next {
-            stream.next -= 1;
+        stream.gauges.add(
+            -i64::from(client.held),
+            -i64::from(client.credit.saturating_sub(client.held)),
+        );
+        if let Some(pos) = stream.clients.iter().position(|&c| c == client_id) {
+            stream.clients.remove(pos);
+            // The rotation goes on with the client that followed the one removed.
+            if pos < stream.next {
+                stream.next -= 1;
+            }
         }
         if stream.next >= stream.clients.len() {
             stream.next = 0;
         }
         let left = stream.clients.len();
         metrics::stream_clients(-1);
+        // Dropping its sender (the only one) means the buffer below is all there is.
+        drop(client);
         rx.close();
-        let (mut moved, mut yielded) = (0usize, 0usize);
+        let (mut moved, mut yielded, mut stale) = (0usize, 0usize, 0usize);
         while let Ok(b) = rx.try_recv() {
+            let key = b.job.key;
+            // A job whose credit came back while buffered has finished or timed out:
+            // nobody should run it.
+            let current = st
+                .held
+                .get(&key)
+                .is_some_and(|h| h.client_id == client_id && h.lease == b.lease);
+            if !current {
+                stale += 1;
+                continue;
+            }
             match st.offer(stream_id, b) {
-                Ok(()) => moved += 1,
+                Ok(to) => {
+                    if let Some(h) = st.held.get_mut(&key) {
+                        h.client_id = to;
+                    }
+                    moved += 1;
+                }
                 Err((b, reason)) => {
                     yielded += 1;
+                    st.release(key);
                     st.yield_job(b, reason);
                 }
             }
@@ -289,11 +572,17 @@ impl AggregatedStreams {
             clients_left = left,
             moved,
             yielded,
+            stale,
             "stream client left"
         );
         if left == 0 {
             if let Some(s) = st.streams.remove(&stream_id) {
                 st.by_props.remove(&PropsKey(s.props));
+            }
+            st.dirty.remove(&stream_id);
+            st.capped.remove(&stream_id);
+            for link in st.links.values_mut() {
+                link.streams.remove(&stream_id);
             }
             metrics::aggregated_streams(-1);
             let unregister = GatewayMessage {
@@ -302,29 +591,34 @@ impl AggregatedStreams {
                 })),
             };
             st.broadcast(&unregister, "unregister");
+        } else {
+            st.dirty.insert(stream_id);
         }
+        self.wake_if_dirty(&st);
     }
 
-    /// A client took a job from its buffer: if the stream refused pushes for want of
-    /// room, tell every broker it has room again, once.
+    /// A starved client took a job from its buffer: its stream has credit to report.
     fn took(&self, stream_id: u64) {
         let mut st = self.lock();
-        let Some(s) = st.streams.get_mut(&stream_id) else {
-            return;
-        };
-        if !std::mem::take(&mut s.refused) {
-            return;
+        if st.streams.contains_key(&stream_id) {
+            st.dirty.insert(stream_id);
+            self.wake_if_dirty(&st);
         }
-        let ready = GatewayMessage {
-            kind: Some(gateway_message::Kind::Ready(StreamReady { stream_id })),
-        };
-        st.broadcast(&ready, "ready");
     }
 
     fn detach_link(&self, node: NodeId, conn: u64) {
         let mut st = self.lock();
         if st.links.get(&node).is_some_and(|l| l.conn == conn) {
             st.links.remove(&node);
+            // The remaining links' shares grow.
+            st.mark_all_dirty();
+            self.wake_if_dirty(&st);
+        }
+    }
+
+    fn wake_if_dirty(&self, st: &State) {
+        if !st.dirty.is_empty() {
+            self.wake.notify_one();
         }
     }
 
@@ -335,8 +629,70 @@ impl AggregatedStreams {
 }
 
 impl State {
-    /// Offers a job to the stream's clients in round-robin order, each at most once.
-    fn offer(&mut self, stream_id: u64, mut job: Buffered) -> Result<(), (Buffered, &'static str)> {
+    /// Takes a pushed job: counts it as received on its link, checks the gateway's
+    /// bounds, hands it to a client and holds its credit.
+    fn accept(
+        &mut self,
+        node: NodeId,
+        conn: u64,
+        stream_id: u64,
+        b: Buffered,
+    ) -> Result<(), &'static str> {
+        if !self.streams.contains_key(&stream_id) {
+            return Err(UNKNOWN_STREAM);
+        }
+        if let Some(link) = self.links.get_mut(&node).filter(|l| l.conn == conn) {
+            link.streams.entry(stream_id).or_default().received += 1;
+        }
+        let key = b.job.key;
+        // The broker activated the job again: the activation held is over.
+        self.release(key);
+        let bytes = b.job.variables.len() + b.job.custom_headers.len();
+        if self.held.len() >= self.limits.max_inflight_jobs
+            || self.inflight_bytes + bytes > self.limits.max_inflight_bytes
+        {
+            if !std::mem::replace(&mut self.full, true) {
+                // Every broker should hear at once that there is no room.
+                self.mark_all_dirty();
+            }
+            self.dirty.insert(stream_id);
+            return Err(GATEWAY_FULL);
+        }
+        let (lease, deadline_ms) = (b.lease, b.job.deadline);
+        match self.offer(stream_id, b) {
+            Ok(client_id) => {
+                let timeout_ms = self
+                    .streams
+                    .get(&stream_id)
+                    .map_or(0, |s| s.props.timeout_ms);
+                let deadline = deadline_instant(deadline_ms, timeout_ms);
+                self.held.insert(
+                    key,
+                    Held {
+                        stream_id,
+                        client_id,
+                        lease,
+                        deadline,
+                        bytes,
+                        since: Instant::now(),
+                    },
+                );
+                self.deadlines.insert((deadline, key));
+                self.inflight_bytes += bytes;
+                metrics::inflight(1, i64::try_from(bytes).unwrap_or(i64::MAX));
+                Ok(())
+            }
+            Err((_, reason)) => {
+                // The broker thought there was credit: correct its view.
+                self.dirty.insert(stream_id);
+                Err(reason)
+            }
+        }
+    }
+
+    /// Hands a job to the stream's next client (round-robin) with free credit, and
+    /// counts it against that client; says which client took it.
+    fn offer(&mut self, stream_id: u64, job: Buffered) -> Result<u64, (Buffered, &'static str)> {
         let Some(stream) = self.streams.get_mut(&stream_id) else {
             return Err((job, UNKNOWN_STREAM));
         };
@@ -344,22 +700,127 @@ impl State {
         if n == 0 {
             return Err((job, NO_CLIENT));
         }
-        for i in 0..n {
-            let at = (stream.next + i) % n;
-            match stream.clients[at].tx.try_send(job) {
-                Ok(()) => {
-                    stream.next = (at + 1) % n;
-                    return Ok(());
+        // Round-robin over the clients that have credit: each client in turn, one
+        // that cannot take a job is skipped (issue: round-robin, never random).
+        let Some(at) = (0..n).map(|i| (stream.next + i) % n).find(|&at| {
+            self.clients
+                .get(&stream.clients[at])
+                .is_some_and(|c| c.free() > 0)
+        }) else {
+            return Err((job, CLIENTS_FULL));
+        };
+        if at != stream.next {
+            metrics::push_try_next();
+        }
+        let client_id = stream.clients[at];
+        let Some(client) = self.clients.get_mut(&client_id) else {
+            return Err((job, CLIENTS_FULL));
+        };
+        // Cannot fail: the client had room in its buffer (checked under this lock,
+        // and only we send), and its receiver lives while it is listed.
+        if let Err(e) = client.tx.try_send(job) {
+            tracing::warn!(client_id, "a client with credit could not take a job");
+            metrics::push_try_next();
+            return Err((e.into_inner(), CLIENTS_FULL));
+        }
+        client.held += 1;
+        stream.next = (at + 1) % n;
+        stream.gauges.add(1, -1);
+        Ok(client_id)
+    }
+
+    /// Ends the hold on job `key`, if any: its client (if still there) and the gateway
+    /// get the credit back.
+    fn release(&mut self, key: i64) {
+        let Some(h) = self.held.remove(&key) else {
+            return;
+        };
+        self.deadlines.remove(&(h.deadline, key));
+        self.inflight_bytes -= h.bytes;
+        metrics::inflight(-1, -i64::try_from(h.bytes).unwrap_or(i64::MAX));
+        self.full = false;
+        if let Some(c) = self.clients.get_mut(&h.client_id) {
+            c.held = c.held.saturating_sub(1);
+            if let Some(s) = self.streams.get(&h.stream_id) {
+                s.gauges.add(-1, 1);
+            }
+            self.dirty.insert(h.stream_id);
+        }
+        // Their reports were bounded by the gateway's headroom, which just grew.
+        self.dirty.extend(self.capped.iter().copied());
+    }
+
+    fn mark_all_dirty(&mut self) {
+        self.dirty.extend(self.streams.keys().copied());
+    }
+
+    /// Recomputes the credit reports of `ids` and sends each link those that changed.
+    fn report(&mut self, ids: &[u64]) {
+        let mut nodes: Vec<NodeId> = self.links.keys().copied().collect();
+        if nodes.is_empty() {
+            return;
+        }
+        nodes.sort_unstable();
+        let weights: Vec<u32> = nodes
+            .iter()
+            .map(|n| self.leaders.get(n).copied().unwrap_or(0))
+            .collect();
+        let headroom = if self.full {
+            0
+        } else {
+            self.limits
+                .max_inflight_jobs
+                .saturating_sub(self.held.len())
+        };
+        let headroom = u64::try_from(headroom).unwrap_or(u64::MAX);
+        let mut failed: Vec<NodeId> = Vec::new();
+        for &id in ids {
+            let Some(stream) = self.streams.get_mut(&id) else {
+                continue;
+            };
+            let mut sum = 0u64;
+            for c in stream.clients.iter().filter_map(|c| self.clients.get(c)) {
+                let free = c.free();
+                if free < c.credit.saturating_sub(c.held) {
+                    c.starved.store(true, Ordering::Relaxed);
                 }
-                // Closed cannot happen while the client is listed (its receiver is
-                // dropped only after it is removed), but it means the same: next one.
-                Err(TrySendError::Full(j) | TrySendError::Closed(j)) => {
-                    metrics::push_try_next();
-                    job = j;
+                sum += u64::from(free);
+            }
+            if sum > headroom {
+                self.capped.insert(id);
+            } else {
+                self.capped.remove(&id);
+            }
+            let free = u32::try_from(sum.min(headroom)).unwrap_or(u32::MAX);
+            let shares = split(free, &weights, stream.rotate);
+            stream.rotate = stream.rotate.wrapping_add(1);
+            for (node, share) in nodes.iter().zip(shares) {
+                let Some(link) = self.links.get_mut(node) else {
+                    continue;
+                };
+                let seen = link.streams.entry(id).or_default();
+                let report = (share, seen.received);
+                if seen.reported == Some(report) {
+                    continue;
+                }
+                let msg = GatewayMessage {
+                    kind: Some(gateway_message::Kind::Credit(StreamCredit {
+                        stream_id: id,
+                        free: share,
+                        received: seen.received,
+                    })),
+                };
+                if link.tx.try_send(msg).is_ok() {
+                    seen.reported = Some(report);
+                    metrics::credit_report_sent();
+                } else if !failed.contains(node) {
+                    failed.push(*node);
                 }
             }
         }
-        Err((job, CLIENTS_FULL))
+        for node in failed {
+            self.break_link(node, "credit");
+        }
     }
 
     /// Gives a job no client could take back to the broker that pushed it.
@@ -419,8 +880,57 @@ impl State {
         if let Some(link) = self.links.remove(&node) {
             tracing::warn!(node, kind, "broker link queue full or closed; resetting it");
             link.broken.cancel();
+            // The remaining links' shares grow.
+            self.mark_all_dirty();
         }
     }
+}
+
+/// Splits `free` between links in proportion to `weights` (the partitions each
+/// leads); when all are zero (no leader known, or none among the linked brokers),
+/// equally. The remainder of the
+/// division goes one by one to links with weight, from `rotate` on, so none of it
+/// is lost and it does not always go to the same link: with little credit and many
+/// brokers, that link would be the only one ever pushing.
+fn split(free: u32, weights: &[u32], rotate: usize) -> Vec<u32> {
+    let weights: Vec<u64> = if weights.iter().all(|&w| w == 0) {
+        vec![1; weights.len()]
+    } else {
+        weights.iter().map(|&w| u64::from(w)).collect()
+    };
+    let total: u64 = weights.iter().sum();
+    if total == 0 {
+        return Vec::new();
+    }
+    let mut shares: Vec<u32> = weights
+        .iter()
+        .map(|&w| u32::try_from(u64::from(free) * w / total).unwrap_or(0))
+        .collect();
+    let given: u32 = shares.iter().sum();
+    let eligible: Vec<usize> = (0..weights.len()).filter(|&i| weights[i] > 0).collect();
+    for k in 0..free.saturating_sub(given) {
+        let i = eligible[rotate.wrapping_add(k as usize) % eligible.len()];
+        shares[i] += 1;
+    }
+    shares
+}
+
+/// The gateway-clock instant of an activation deadline (epoch ms); a push without
+/// one holds its credit for the stream's activation timeout.
+fn deadline_instant(deadline_ms: i64, timeout_ms: i64) -> Instant {
+    if deadline_ms <= 0 {
+        return instant_in(timeout_ms);
+    }
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    instant_in(deadline_ms.saturating_sub(now_ms))
+}
+
+/// `ms` from now; now if negative.
+fn instant_in(ms: i64) -> Instant {
+    let d = Duration::from_millis(u64::try_from(ms).unwrap_or(0)).min(MAX_HOLD);
+    Instant::now() + d
 }
 
 fn register(stream_id: u64, props: &ActivationProps) -> GatewayMessage {
@@ -447,6 +957,13 @@ impl AttachedLink {
         &self.broken
     }
 
+    /// Hands a job this link's broker pushed to a client (see
+    /// [`AggregatedStreams`]) and says how it went, for the `PushAck`. `None`: the
+    /// push carries no job, and is dropped.
+    pub fn push(&self, push: PushJob) -> Option<PushAck> {
+        self.streams.push(self.node, self.conn, push)
+    }
+
     /// Queues a message of this link's own (an ack). Never waits: a full queue drops
     /// the message, counted, since waiting could deadlock against the broker.
     pub fn send(&self, msg: GatewayMessage, kind: &'static str) {
@@ -469,13 +986,20 @@ pub struct ClientStream {
     streams: Arc<AggregatedStreams>,
     stream_id: u64,
     client_id: u64,
+    credit: u32,
     rx: mpsc::Receiver<Buffered>,
+    starved: Arc<AtomicBool>,
 }
 
 impl ClientStream {
     /// The aggregated stream this client belongs to.
     pub fn stream_id(&self) -> u64 {
         self.stream_id
+    }
+
+    /// How many pushed jobs this client may hold unfinished.
+    pub fn credit(&self) -> u32 {
+        self.credit
     }
 }
 
@@ -485,7 +1009,7 @@ impl Stream for ClientStream {
     /// Never ends on its own: the client's sender lives until the client leaves.
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let polled = self.rx.poll_recv(cx);
-        if let Poll::Ready(Some(_)) = &polled {
+        if matches!(polled, Poll::Ready(Some(_))) && self.starved.swap(false, Ordering::Relaxed) {
             self.streams.took(self.stream_id);
         }
         polled.map(|b| b.map(|b| *b.job))
@@ -507,6 +1031,18 @@ mod tests {
     use futures::FutureExt;
     use futures::StreamExt;
 
+    fn limits(client_credit: u32) -> Limits {
+        Limits {
+            client_credit,
+            max_inflight_jobs: 100_000,
+            max_inflight_bytes: 256 << 20,
+        }
+    }
+
+    fn registry(client_credit: u32) -> Arc<AggregatedStreams> {
+        AggregatedStreams::new(limits(client_credit))
+    }
+
     fn props(job_type: &str, fetch: &[&str], tenants: &[&str]) -> ActivationProps {
         let r = gw::StreamActivatedJobsRequest {
             r#type: job_type.into(),
@@ -522,6 +1058,8 @@ mod tests {
         props("t", &[], &[])
     }
 
+    /// A push of job `key`, activation lease `key + 500`, without a deadline (held
+    /// for the stream's 1 s timeout).
     fn push(stream_id: u64, key: i64) -> PushJob {
         PushJob {
             push_id: key as u64 + 1000,
@@ -533,6 +1071,17 @@ mod tests {
                 ..Default::default()
             }),
         }
+    }
+
+    fn lease(key: i64) -> u64 {
+        key as u64 + 500
+    }
+
+    fn epoch_ms() -> i64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64
     }
 
     fn hello() -> GatewayMessage {
@@ -548,6 +1097,18 @@ mod tests {
             .collect()
     }
 
+    /// The credit reports queued on a link so far: (stream, free, received); any
+    /// other message fails the test.
+    fn reports(rx: &mut mpsc::Receiver<GatewayMessage>) -> Vec<(u64, u32, u64)> {
+        drain(rx)
+            .into_iter()
+            .map(|k| match k {
+                Kind::Credit(c) => (c.stream_id, c.free, c.received),
+                other => panic!("not a credit report: {other:?}"),
+            })
+            .collect()
+    }
+
     /// Keys of every job buffered for a client so far.
     fn keys(c: &mut ClientStream) -> Vec<i64> {
         std::iter::from_fn(|| c.next().now_or_never().flatten())
@@ -555,45 +1116,24 @@ mod tests {
             .collect()
     }
 
-    fn ack(s: &AggregatedStreams, node: NodeId, p: PushJob) -> (bool, String) {
-        let a = s.push(node, p).unwrap();
+    fn ack(l: &AttachedLink, p: PushJob) -> (bool, String) {
+        let a = l.push(p).unwrap();
         (a.accepted, a.reason)
     }
 
-    #[test]
-    fn a_stream_that_refused_for_lack_of_room_says_once_when_it_has_room_again() {
-        let s = AggregatedStreams::new(1);
-        let (_l, mut rx) = s.attach_link(1, hello());
-        let mut c = s.join(t());
-        let id = c.stream_id();
-        drain(&mut rx);
-        assert_eq!(ack(&s, 1, push(id, 1)), (true, String::new()));
-        // Taking a job when nothing was refused says nothing.
-        assert_eq!(keys(&mut c), vec![1]);
-        assert!(drain(&mut rx).is_empty());
-        assert_eq!(ack(&s, 1, push(id, 2)), (true, String::new()));
-        assert_eq!(ack(&s, 1, push(id, 3)), (false, CLIENTS_FULL.to_string()));
-        assert_eq!(ack(&s, 1, push(id, 4)), (false, CLIENTS_FULL.to_string()));
-        assert!(
-            drain(&mut rx).is_empty(),
-            "nothing until a client takes a job"
-        );
-        assert_eq!(keys(&mut c), vec![2]);
-        let msgs = drain(&mut rx);
-        assert!(
-            matches!(&msgs[..], [Kind::Ready(r)] if r.stream_id == id),
-            "one StreamReady: {msgs:?}"
-        );
-        assert_eq!(ack(&s, 1, push(id, 5)), (true, String::new()));
-        assert_eq!(keys(&mut c), vec![5]);
-        assert!(drain(&mut rx).is_empty(), "said once");
+    fn ok() -> (bool, String) {
+        (true, String::new())
+    }
+
+    fn refused(reason: &str) -> (bool, String) {
+        (false, reason.to_string())
     }
 
     #[test]
     fn equal_props_share_a_stream_and_different_ones_do_not() {
-        let s = AggregatedStreams::new(32);
-        let a = s.join(props("t", &["x", "y"], &["b", "a"]));
-        let b = s.join(props("t", &["y", "x", "y"], &["a", "b"]));
+        let s = registry(32);
+        let a = s.join(props("t", &["x", "y"], &["b", "a"]), None);
+        let b = s.join(props("t", &["y", "x", "y"], &["a", "b"]), None);
         assert_eq!(a.stream_id(), b.stream_id());
         let others = [
             props("u", &["x", "y"], &["a", "b"]),
@@ -602,7 +1142,7 @@ mod tests {
             props("t", &["x", "y"], &[DEFAULT_TENANT]),
         ];
         let mut ids = vec![a.stream_id()];
-        let clients: Vec<ClientStream> = others.into_iter().map(|p| s.join(p)).collect();
+        let clients: Vec<ClientStream> = others.into_iter().map(|p| s.join(p, None)).collect();
         ids.extend(clients.iter().map(|c| c.stream_id()));
         ids.sort();
         ids.dedup();
@@ -616,20 +1156,20 @@ mod tests {
         assert_eq!((s.stream_count(), s.client_count()), (0, 0));
         // A stream created again after it went away gets a new id: stale pushes for the
         // old one are refused rather than delivered to the wrong stream generation.
-        let c = s.join(t());
-        let d = s.join(props("t", &["x", "y"], &["a", "b"]));
+        let c = s.join(t(), None);
+        let d = s.join(props("t", &["x", "y"], &["a", "b"]), None);
         assert!(d.stream_id() > c.stream_id());
     }
 
     #[test]
     fn streams_are_registered_with_every_link_on_first_join_and_unregistered_on_last_leave() {
-        let s = AggregatedStreams::new(32);
+        let s = registry(32);
         let (_l1, mut rx1) = s.attach_link(1, hello());
         let (_l2, mut rx2) = s.attach_link(2, hello());
         assert!(matches!(drain(&mut rx1)[..], [Kind::Hello(_)]));
         assert!(matches!(drain(&mut rx2)[..], [Kind::Hello(_)]));
 
-        let a = s.join(t());
+        let a = s.join(t(), None);
         let id = a.stream_id();
         for rx in [&mut rx1, &mut rx2] {
             match &drain(rx)[..] {
@@ -640,17 +1180,18 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
-        let b = s.join(t());
+        let b = s.join(t(), None);
         drop(a);
         assert!(drain(&mut rx1).is_empty());
         assert!(drain(&mut rx2).is_empty());
 
-        // A link (re)connecting gets the hello, then every current stream.
-        let _u = s.join(props("u", &[], &[]));
+        // A link (re)connecting gets the hello, then every current stream, then every
+        // stream's credit.
+        let u = s.join(props("u", &[], &[]), None);
         let (l3, mut rx3) = s.attach_link(3, hello());
         let got = drain(&mut rx3);
         assert!(matches!(got[0], Kind::Hello(_)), "{got:?}");
-        let mut registered: Vec<String> = got[1..]
+        let mut registered: Vec<String> = got[1..3]
             .iter()
             .map(|k| match k {
                 Kind::Register(r) => r.props.as_ref().unwrap().r#type.clone(),
@@ -659,6 +1200,15 @@ mod tests {
             .collect();
         registered.sort();
         assert_eq!(registered, ["t", "u"]);
+        let mut credited: Vec<u64> = got[3..]
+            .iter()
+            .map(|k| match k {
+                Kind::Credit(c) => c.stream_id,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        credited.sort();
+        assert_eq!(credited, [id, u.stream_id()]);
         drain(&mut rx1);
         drain(&mut rx2);
 
@@ -676,30 +1226,93 @@ mod tests {
 
     #[test]
     fn a_link_that_cannot_take_a_message_is_reset() {
-        let s = AggregatedStreams::new(32);
+        let s = registry(32);
         let (l1, _rx1) = s.attach_link(1, hello());
         // Fill the queue as a broker that stopped reading would.
         for _ in 0..OUTBOUND_BUFFER {
             l1.send(hello(), "ack");
         }
         assert!(!l1.broken().is_cancelled());
-        let _a = s.join(t());
+        let _a = s.join(t(), None);
         assert!(l1.broken().is_cancelled());
         // Forgotten: the reconnect registers everything afresh.
         let (_l1, mut rx1) = s.attach_link(1, hello());
         assert!(matches!(
             drain(&mut rx1)[..],
-            [Kind::Hello(_), Kind::Register(_)]
+            [Kind::Hello(_), Kind::Register(_), Kind::Credit(_)]
         ));
     }
 
     #[test]
-    fn pushes_go_round_robin() {
-        let s = AggregatedStreams::new(64);
-        let mut a = s.join(t());
-        let mut b = s.join(t());
+    fn a_client_never_holds_more_than_its_credit() {
+        let s = registry(3);
+        let (l, _rx) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
+        let id = a.stream_id();
+        for k in 0..3 {
+            assert_eq!(ack(&l, push(id, k)), ok());
+        }
+        assert_eq!(ack(&l, push(id, 3)), refused(CLIENTS_FULL));
+        // Taking jobs from the buffer is not finishing them.
+        assert_eq!(keys(&mut a), [0, 1, 2]);
+        assert_eq!(ack(&l, push(id, 4)), refused(CLIENTS_FULL));
+        s.finished_here(1, Instant::now());
+        assert_eq!(ack(&l, push(id, 5)), ok());
+        assert_eq!(ack(&l, push(id, 6)), refused(CLIENTS_FULL));
+        assert_eq!(keys(&mut a), [5]);
+        assert_eq!(s.inflight().0, 3);
+    }
+
+    #[test]
+    fn a_stated_credit_overrides_the_default() {
+        let s = registry(32);
+        let (l, _rx) = s.attach_link(1, hello());
+        assert_eq!(s.join(t(), None).credit(), 32);
+        let a = s.join(t(), Some(2));
+        assert_eq!(a.credit(), 2);
+        assert_eq!(ack(&l, push(a.stream_id(), 1)), ok());
+        assert_eq!(ack(&l, push(a.stream_id(), 2)), ok());
+        assert_eq!(ack(&l, push(a.stream_id(), 3)), refused(CLIENTS_FULL));
+        // A credit of zero would be a client that can never take a job.
+        let z = AggregatedStreams::new(limits(0));
+        let (l, _rx) = z.attach_link(1, hello());
+        let mut c = z.join(t(), None);
+        assert_eq!(c.credit(), 1);
+        assert_eq!(ack(&l, push(c.stream_id(), 1)), ok());
+        assert_eq!(ack(&l, push(c.stream_id(), 2)), refused(CLIENTS_FULL));
+        assert_eq!(keys(&mut c), [1]);
+    }
+
+    #[test]
+    fn clients_take_turns_and_one_without_credit_is_skipped() {
+        let s = registry(32);
+        let (l, _rx) = s.attach_link(1, hello());
+        let mut a = s.join(t(), Some(2));
+        let id = a.stream_id();
+        let mut b = s.join(t(), Some(10));
+        for k in 0..4 {
+            assert_eq!(ack(&l, push(id, k)), ok());
+        }
+        // In turn until a has no credit left (2), then only b.
+        for k in 4..10 {
+            assert_eq!(ack(&l, push(id, k)), ok());
+        }
+        assert_eq!(keys(&mut a), vec![0, 2]);
+        assert_eq!(keys(&mut b), vec![1, 3, 4, 5, 6, 7, 8, 9]);
+        // b has 2 left; then nobody has credit.
+        assert_eq!(ack(&l, push(id, 10)), ok());
+        assert_eq!(ack(&l, push(id, 11)), ok());
+        assert_eq!(ack(&l, push(id, 12)), refused(CLIENTS_FULL));
+    }
+
+    #[test]
+    fn clients_with_credit_take_turns() {
+        let s = registry(64);
+        let (l, _rx) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
+        let mut b = s.join(t(), None);
         for k in 0..100 {
-            assert_eq!(ack(&s, 1, push(a.stream_id(), k)), (true, String::new()));
+            assert_eq!(ack(&l, push(a.stream_id(), k)), ok());
         }
         let (ka, kb) = (keys(&mut a), keys(&mut b));
         assert_eq!((ka.len(), kb.len()), (50, 50));
@@ -709,51 +1322,376 @@ mod tests {
     }
 
     #[test]
-    fn a_full_client_is_skipped_and_all_full_is_refused() {
-        let s = AggregatedStreams::new(2);
-        let mut a = s.join(t());
-        let mut b = s.join(t());
+    fn a_job_finished_through_this_gateway_or_any_other_frees_one_credit() {
+        let s = registry(2);
+        let (l, _rx) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
         let id = a.stream_id();
-        // a: 0, b: 1, a: 2 -> a is full; b's worker takes its job.
-        for k in 0..3 {
-            assert!(ack(&s, 1, push(id, k)).0);
+        assert_eq!(ack(&l, push(id, 1)), ok());
+        assert_eq!(ack(&l, push(id, 2)), ok());
+        assert_eq!(ack(&l, push(id, 3)), refused(CLIENTS_FULL));
+        // The worker has them.
+        assert_eq!(keys(&mut a), [1, 2]);
+        // JobFinished: only for the activation held, and only once.
+        s.finished(1, lease(1) + 1);
+        s.finished(99, 1);
+        assert_eq!(ack(&l, push(id, 3)), refused(CLIENTS_FULL));
+        s.finished(1, lease(1));
+        assert_eq!(ack(&l, push(id, 3)), ok());
+        assert_eq!(keys(&mut a), [3]);
+        s.finished(1, lease(1));
+        assert_eq!(ack(&l, push(id, 4)), refused(CLIENTS_FULL));
+        // Completed through this gateway.
+        s.finished_here(2, Instant::now());
+        s.finished_here(2, Instant::now());
+        assert_eq!(ack(&l, push(id, 4)), ok());
+        assert_eq!(ack(&l, push(id, 5)), refused(CLIENTS_FULL));
+        assert_eq!(s.inflight().0, 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_finish_whose_request_began_before_the_hand_off_frees_nothing() {
+        let s = registry(1);
+        let (l, _rx) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
+        let since = Instant::now();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        // Failed with retries left, and pushed again before the FailJob reply.
+        assert_eq!(ack(&l, push(a.stream_id(), 1)), ok());
+        assert_eq!(keys(&mut a), [1]);
+        s.finished_here(1, since);
+        s.timeout_updated(1, 60_000, since);
+        assert_eq!(ack(&l, push(a.stream_id(), 2)), refused(CLIENTS_FULL));
+        s.finished_here(1, Instant::now());
+        assert_eq!(ack(&l, push(a.stream_id(), 2)), ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_passed_deadline_frees_one_credit_and_update_timeout_moves_it() {
+        let s = registry(1);
+        let stop = CancellationToken::new();
+        let (_tx, leaders) = watch::channel(BTreeMap::new());
+        let task = tokio::spawn(s.clone().run(leaders, stop.clone()));
+        let (l, _rx) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
+        let id = a.stream_id();
+        let with_deadline = |key: i64, in_ms: i64| {
+            let mut p = push(id, key);
+            if let Some(j) = p.job.as_mut() {
+                j.deadline = epoch_ms() + in_ms;
+            }
+            p
+        };
+        assert_eq!(ack(&l, with_deadline(1, 1000)), ok());
+        assert_eq!(keys(&mut a), [1]);
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        assert_eq!(ack(&l, push(id, 2)), refused(CLIENTS_FULL));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(s.inflight().0, 0);
+        assert_eq!(ack(&l, with_deadline(2, 1000)), ok());
+        assert_eq!(keys(&mut a), [2]);
+
+        // At 500 ms the timeout is set to 2 s from then.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        s.timeout_updated(2, 2000, Instant::now());
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        assert_eq!(ack(&l, push(id, 3)), refused(CLIENTS_FULL));
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        assert_eq!(ack(&l, push(id, 3)), ok());
+        assert_eq!(keys(&mut a), [3]);
+
+        // A push without a deadline is held for the stream's activation timeout.
+        s.finished_here(3, Instant::now());
+        assert_eq!(ack(&l, push(id, 4)), ok());
+        assert_eq!(keys(&mut a), [4]);
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        assert_eq!(s.inflight().0, 1);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(s.inflight().0, 0);
+
+        stop.cancel();
+        tokio::time::timeout(Duration::from_secs(1), task)
+            .await
+            .expect("the task stops on shutdown")
+            .unwrap();
+    }
+
+    #[test]
+    fn the_gateway_refuses_past_its_jobs_bound() {
+        let s = AggregatedStreams::new(Limits {
+            max_inflight_jobs: 2,
+            ..limits(32)
+        });
+        let (l, mut rx) = s.attach_link(1, hello());
+        let a = s.join(t(), None);
+        let b = s.join(props("u", &[], &[]), None);
+        assert_eq!(ack(&l, push(a.stream_id(), 1)), ok());
+        assert_eq!(ack(&l, push(b.stream_id(), 2)), ok());
+        assert_eq!(ack(&l, push(a.stream_id(), 3)), refused(GATEWAY_FULL));
+        assert_eq!(s.inflight().0, 2);
+        drain(&mut rx);
+        s.flush();
+        let mut got = reports(&mut rx);
+        got.sort();
+        assert_eq!(got, [(a.stream_id(), 0, 2), (b.stream_id(), 0, 1)]);
+        // One released: one more fits, and both streams may have it.
+        s.finished_here(2, Instant::now());
+        s.flush();
+        let mut got = reports(&mut rx);
+        got.sort();
+        assert_eq!(got, [(a.stream_id(), 1, 2), (b.stream_id(), 1, 1)]);
+        assert_eq!(ack(&l, push(a.stream_id(), 3)), ok());
+    }
+
+    #[test]
+    fn the_gateway_refuses_past_its_bytes_bound() {
+        let s = AggregatedStreams::new(Limits {
+            max_inflight_bytes: 100,
+            ..limits(32)
+        });
+        let (l, mut rx) = s.attach_link(1, hello());
+        let a = s.join(t(), None);
+        let id = a.stream_id();
+        let sized = |key: i64, vars: usize, headers: usize| {
+            let mut p = push(id, key);
+            if let Some(j) = p.job.as_mut() {
+                j.variables = "v".repeat(vars);
+                j.custom_headers = "h".repeat(headers);
+            }
+            p
+        };
+        assert_eq!(ack(&l, sized(1, 40, 20)), ok());
+        assert_eq!(s.inflight(), (1, 60));
+        assert_eq!(ack(&l, sized(2, 30, 20)), refused(GATEWAY_FULL));
+        drain(&mut rx);
+        s.flush();
+        // No room reported until something is released, though a smaller job fits.
+        assert_eq!(reports(&mut rx), [(id, 0, 2)]);
+        assert_eq!(ack(&l, sized(3, 30, 10)), ok());
+        assert_eq!(s.inflight(), (2, 100));
+        s.finished(1, lease(1));
+        assert_eq!(s.inflight(), (1, 40));
+        s.flush();
+        assert_eq!(reports(&mut rx), [(id, 30, 3)]);
+        assert_eq!(ack(&l, sized(2, 30, 20)), ok());
+    }
+
+    #[test]
+    fn credit_is_split_by_led_partitions_with_the_remainder_in_turn() {
+        assert_eq!(split(10, &[2, 1, 0], 0), [7, 3, 0]);
+        assert_eq!(split(10, &[2, 1, 0], 1), [6, 4, 0]);
+        assert_eq!(split(10, &[2, 1, 0], 2), [7, 3, 0]);
+        // No leader known: equal shares.
+        assert_eq!(split(10, &[0, 0, 0], 0), [4, 3, 3]);
+        assert_eq!(split(10, &[0, 0, 0], 1), [3, 4, 3]);
+        // A single credit goes round.
+        let firsts: Vec<Vec<u32>> = (0..3).map(|r| split(1, &[1, 1, 1], r)).collect();
+        assert_eq!(firsts, [[1, 0, 0], [0, 1, 0], [0, 0, 1]]);
+        assert_eq!(split(0, &[3, 1], 5), [0, 0]);
+        assert!(split(7, &[], 0).is_empty());
+        for free in [0, 1, 2, 9, 10, 11, 1000, u32::MAX] {
+            for r in 0..4 {
+                for w in [[2, 1, 0], [0, 0, 0], [5, 5, 1], [1, 0, 0]] {
+                    let shares = split(free, &w, r);
+                    let sum: u64 = shares.iter().map(|&s| u64::from(s)).sum();
+                    assert_eq!(sum, u64::from(free), "{free} {w:?} {r}");
+                    if w.iter().any(|&x| x > 0) {
+                        assert!(w.iter().zip(&shares).all(|(&w, &s)| w > 0 || s == 0));
+                    }
+                }
+            }
         }
-        assert_eq!(keys(&mut b), [1]);
-        // b's turn: 3; then a's turn, but a is full: b takes 4 too.
-        assert!(ack(&s, 1, push(id, 3)).0);
-        assert!(ack(&s, 1, push(id, 4)).0);
-        assert_eq!(ack(&s, 1, push(id, 5)), (false, CLIENTS_FULL.to_string()));
-        assert_eq!(keys(&mut a), [0, 2]);
-        assert_eq!(keys(&mut b), [3, 4]);
-        // Room again: taken.
-        assert!(ack(&s, 1, push(id, 6)).0);
+    }
+
+    #[test]
+    fn each_link_hears_its_share_of_the_streams_free_credit() {
+        let s = registry(10);
+        let links: Vec<_> = (1..=3).map(|n| s.attach_link(n, hello())).collect();
+        let mut rxs: Vec<_> = links.into_iter().collect();
+        let a = s.join(t(), None);
+        let id = a.stream_id();
+        s.set_leaders(BTreeMap::from([(1, 2), (2, 1)]));
+        for _ in 0..2 {
+            s.flush();
+            let shares: Vec<u32> = rxs
+                .iter_mut()
+                .map(|(_, rx)| {
+                    let got: Vec<_> = drain(rx)
+                        .into_iter()
+                        .filter_map(|k| match k {
+                            Kind::Credit(c) => Some((c.stream_id, c.free, c.received)),
+                            _ => None,
+                        })
+                        .collect();
+                    match got[..] {
+                        [(sid, free, 0)] if sid == id => free,
+                        // Unchanged from the last flush: nothing sent.
+                        [] => 0,
+                        _ => panic!("{got:?}"),
+                    }
+                })
+                .collect();
+            assert!(shares == [7, 3, 0] || shares == [6, 4, 0], "{shares:?}");
+            // Something changed: the next flush re-splits.
+            s.set_leaders(BTreeMap::from([(1, 2), (2, 1), (3, 0)]));
+        }
+    }
+
+    #[test]
+    fn pushes_alone_send_no_report_and_a_release_sends_one_per_link() {
+        let s = registry(32);
+        let (l1, mut rx1) = s.attach_link(1, hello());
+        let (_l2, mut rx2) = s.attach_link(2, hello());
+        s.set_leaders(BTreeMap::from([(1, 1), (2, 1)]));
+        let mut a = s.join(t(), None);
+        let id = a.stream_id();
+        s.flush();
+        drain(&mut rx1);
+        drain(&mut rx2);
+        for k in 0..5 {
+            assert_eq!(ack(&l1, push(id, k)), ok());
+        }
+        assert_eq!(keys(&mut a).len(), 5);
+        s.flush();
+        assert!(drain(&mut rx1).is_empty());
+        assert!(drain(&mut rx2).is_empty());
+        // Three released before the flush: one report per link.
+        for k in 0..3 {
+            s.finished_here(k, Instant::now());
+        }
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 15, 5)]);
+        assert_eq!(reports(&mut rx2), [(id, 15, 0)]);
+        s.flush();
+        assert!(drain(&mut rx1).is_empty());
+        // A client joining or leaving changes the stream's credit too.
+        let b = s.join(t(), Some(2));
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 16, 5)]);
+        assert_eq!(reports(&mut rx2), [(id, 16, 0)]);
+        drop(b);
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 15, 5)]);
+        assert_eq!(reports(&mut rx2), [(id, 15, 0)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_flusher_coalesces_releases_and_follows_leadership() {
+        let s = registry(32);
+        let stop = CancellationToken::new();
+        let (leaders_tx, leaders) = watch::channel(BTreeMap::from([(1, 1), (2, 1)]));
+        let task = tokio::spawn(s.clone().run(leaders, stop.clone()));
+        let (l1, mut rx1) = s.attach_link(1, hello());
+        let (_l2, mut rx2) = s.attach_link(2, hello());
+        let mut a = s.join(t(), None);
+        let id = a.stream_id();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        drain(&mut rx1);
+        drain(&mut rx2);
+        for k in 0..20 {
+            assert_eq!(ack(&l1, push(id, k)), ok());
+        }
+        assert_eq!(keys(&mut a).len(), 20);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(drain(&mut rx1).is_empty());
+        assert!(drain(&mut rx2).is_empty());
+        for k in 0..4 {
+            s.finished(k, lease(k));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(reports(&mut rx1), [(id, 8, 20)]);
+        assert_eq!(reports(&mut rx2), [(id, 8, 0)]);
+        // Broker 2 now leads both partitions.
+        leaders_tx.send_replace(BTreeMap::from([(2, 2)]));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(reports(&mut rx1), [(id, 0, 20)]);
+        assert_eq!(reports(&mut rx2), [(id, 16, 0)]);
+        stop.cancel();
+        task.await.unwrap();
+    }
+
+    #[test]
+    fn a_reconnected_link_hears_every_report_again_with_its_pushes_counted_afresh() {
+        let s = registry(8);
+        let (l1, mut rx1) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
+        let id = a.stream_id();
+        s.flush();
+        assert_eq!(drain(&mut rx1).len(), 3);
+        for k in 0..3 {
+            assert_eq!(ack(&l1, push(id, k)), ok());
+        }
+        assert_eq!(keys(&mut a), [0, 1, 2]);
+        // Refused pushes count as received too.
+        assert_eq!(ack(&l1, push(77, 9)), refused(UNKNOWN_STREAM));
+        s.finished_here(0, Instant::now());
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 6, 3)]);
+        drop(l1);
+        let (l1, mut rx1) = s.attach_link(1, hello());
+        match &drain(&mut rx1)[..] {
+            [Kind::Hello(_), Kind::Register(r), Kind::Credit(c)] => {
+                assert_eq!(r.stream_id, id);
+                assert_eq!((c.stream_id, c.free, c.received), (id, 6, 0));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(ack(&l1, push(id, 5)), ok());
+        assert_eq!(keys(&mut a), [5]);
+        s.finished_here(1, Instant::now());
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 6, 1)]);
+    }
+
+    #[test]
+    fn a_client_whose_buffer_holds_released_jobs_reports_again_when_it_takes_one() {
+        let s = registry(2);
+        let (l, mut rx) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
+        let id = a.stream_id();
+        assert_eq!(ack(&l, push(id, 1)), ok());
+        assert_eq!(ack(&l, push(id, 2)), ok());
+        // Canceled while still buffered (the client's window is full): the credit is
+        // back but the buffer has no room.
+        s.finished(1, lease(1));
+        s.finished(2, lease(2));
+        drain(&mut rx);
+        s.flush();
+        assert_eq!(reports(&mut rx), [(id, 0, 2)]);
+        assert_eq!(ack(&l, push(id, 3)), refused(CLIENTS_FULL));
+        assert_eq!(keys(&mut a), [1, 2]);
+        s.flush();
+        assert_eq!(reports(&mut rx), [(id, 2, 3)]);
+        assert_eq!(ack(&l, push(id, 3)), ok());
     }
 
     #[test]
     fn unknown_streams_and_malformed_pushes_are_refused() {
-        let s = AggregatedStreams::new(2);
-        assert_eq!(ack(&s, 1, push(77, 1)), (false, UNKNOWN_STREAM.to_string()));
-        let a = s.join(t());
+        let s = registry(2);
+        let (l, _rx) = s.attach_link(1, hello());
+        assert_eq!(ack(&l, push(77, 1)), refused(UNKNOWN_STREAM));
+        let a = s.join(t(), None);
         let id = a.stream_id();
         drop(a);
         // Gone with its last client.
-        assert_eq!(ack(&s, 1, push(id, 1)), (false, UNKNOWN_STREAM.to_string()));
+        assert_eq!(ack(&l, push(id, 1)), refused(UNKNOWN_STREAM));
         let mut p = push(id, 1);
         p.job = None;
-        assert!(s.push(1, p).is_none());
-        let ack = s.push(1, push(id, 9));
+        assert!(l.push(p).is_none());
+        let ack = l.push(push(id, 9));
         assert_eq!(ack.map(|a| a.push_id), Some(1009));
+        assert_eq!(s.inflight(), (0, 0));
     }
 
     #[test]
-    fn a_leaving_clients_buffered_jobs_go_to_the_next_client() {
-        let s = AggregatedStreams::new(4);
-        let (_l1, mut rx1) = s.attach_link(1, hello());
-        let a = s.join(t());
-        let mut b = s.join(t());
+    fn a_leaving_clients_buffered_jobs_go_to_the_next_client_with_their_credit() {
+        let s = registry(4);
+        let (l1, mut rx1) = s.attach_link(1, hello());
+        let a = s.join(t(), None);
+        let mut b = s.join(t(), None);
         let id = a.stream_id();
         for k in 0..4 {
-            assert!(ack(&s, 1, push(id, k)).0);
+            assert_eq!(ack(&l1, push(id, k)), ok());
         }
         drop(a);
         let mut got = keys(&mut b);
@@ -765,18 +1703,22 @@ mod tests {
             drain(&mut rx1)[..],
             [Kind::Hello(_), Kind::Register(_)]
         ));
+        // The moved jobs count against b now.
+        assert_eq!(ack(&l1, push(id, 4)), refused(CLIENTS_FULL));
+        s.finished(0, lease(0));
+        assert_eq!(ack(&l1, push(id, 4)), ok());
     }
 
     #[test]
     fn jobs_no_client_can_take_are_yielded_to_the_broker_that_pushed_them() {
-        let s = AggregatedStreams::new(4);
-        let (_l1, mut rx1) = s.attach_link(1, hello());
-        let (_l2, mut rx2) = s.attach_link(2, hello());
-        let a = s.join(t());
+        let s = registry(4);
+        let (l1, mut rx1) = s.attach_link(1, hello());
+        let (l2, mut rx2) = s.attach_link(2, hello());
+        let a = s.join(t(), None);
         let id = a.stream_id();
-        assert!(ack(&s, 1, push(id, 10)).0);
-        assert!(ack(&s, 2, push(id, 20)).0);
-        assert!(ack(&s, 1, push(id, 11)).0);
+        assert_eq!(ack(&l1, push(id, 10)), ok());
+        assert_eq!(ack(&l2, push(id, 20)), ok());
+        assert_eq!(ack(&l1, push(id, 11)), ok());
         drain(&mut rx1);
         drain(&mut rx2);
         drop(a);
@@ -793,17 +1735,18 @@ mod tests {
         assert_eq!(yields(&mut rx1), [(1, 10, 510), (1, 11, 511)]);
         assert_eq!(yields(&mut rx2), [(1, 20, 520)]);
         assert_eq!(s.stream_count(), 0);
+        assert_eq!(s.inflight(), (0, 0));
     }
 
     #[test]
-    fn jobs_the_remaining_clients_have_no_room_for_are_yielded() {
-        let s = AggregatedStreams::new(1);
-        let (_l1, mut rx1) = s.attach_link(1, hello());
-        let a = s.join(t());
-        let mut b = s.join(t());
+    fn jobs_the_remaining_clients_have_no_credit_for_are_yielded() {
+        let s = registry(1);
+        let (l1, mut rx1) = s.attach_link(1, hello());
+        let a = s.join(t(), None);
+        let mut b = s.join(t(), None);
         let id = a.stream_id();
-        assert!(ack(&s, 1, push(id, 1)).0);
-        assert!(ack(&s, 1, push(id, 2)).0);
+        assert_eq!(ack(&l1, push(id, 1)), ok());
+        assert_eq!(ack(&l1, push(id, 2)), ok());
         drain(&mut rx1);
         drop(a);
         match &drain(&mut rx1)[..] {
@@ -811,35 +1754,65 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(keys(&mut b), [2]);
-        // b stays in the rotation alone.
-        assert!(ack(&s, 1, push(id, 3)).0);
+        // b stays in the rotation alone, with its credit.
+        s.finished(2, lease(2));
+        assert_eq!(ack(&l1, push(id, 3)), ok());
         assert_eq!(keys(&mut b), [3]);
     }
 
     #[test]
-    fn the_rotation_continues_past_a_removed_client() {
-        let s = AggregatedStreams::new(8);
-        let mut a = s.join(t());
-        let mut b = s.join(t());
-        let mut c = s.join(t());
+    fn jobs_of_a_client_that_left_count_against_the_gateway_until_they_finish() {
+        let s = registry(4);
+        let (l1, _rx1) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
         let id = a.stream_id();
-        // a, b: next is c.
-        assert!(ack(&s, 1, push(id, 0)).0);
-        assert!(ack(&s, 1, push(id, 1)).0);
-        assert_eq!(keys(&mut b), [1]);
-        drop(b);
-        assert!(ack(&s, 1, push(id, 2)).0);
-        assert!(ack(&s, 1, push(id, 3)).0);
-        assert_eq!(keys(&mut a), [0, 3]);
-        assert_eq!(keys(&mut c), [2]);
+        let mut p = push(id, 1);
+        if let Some(j) = p.job.as_mut() {
+            j.variables = "{}".into();
+        }
+        assert_eq!(ack(&l1, p), ok());
+        // Its worker has it.
+        assert_eq!(keys(&mut a), [1]);
+        drop(a);
+        assert_eq!(s.inflight(), (1, 2));
+        s.finished(1, lease(1));
+        assert_eq!(s.inflight(), (0, 0));
     }
 
     #[test]
-    fn a_buffer_of_zero_still_takes_one_job() {
-        let s = AggregatedStreams::new(0);
-        let mut a = s.join(t());
-        assert!(ack(&s, 1, push(a.stream_id(), 1)).0);
-        assert!(!ack(&s, 1, push(a.stream_id(), 2)).0);
-        assert_eq!(keys(&mut a), [1]);
+    fn a_job_pushed_again_replaces_its_earlier_activation() {
+        let s = registry(2);
+        let (l1, _rx1) = s.attach_link(1, hello());
+        let a = s.join(t(), None);
+        let id = a.stream_id();
+        assert_eq!(ack(&l1, push(id, 1)), ok());
+        let mut again = push(id, 1);
+        again.lease = 9000;
+        assert_eq!(ack(&l1, again), ok());
+        assert_eq!(s.inflight().0, 1);
+        // The earlier activation's end is stale; the current one's is not.
+        s.finished(1, lease(1));
+        assert_eq!(s.inflight().0, 1);
+        s.finished(1, 9000);
+        assert_eq!(s.inflight().0, 0);
+    }
+
+    #[test]
+    fn the_rotation_continues_past_a_removed_client() {
+        let s = registry(8);
+        let (l, _rx) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
+        let mut b = s.join(t(), None);
+        let mut c = s.join(t(), None);
+        let id = a.stream_id();
+        // a, b: next is c.
+        assert_eq!(ack(&l, push(id, 0)), ok());
+        assert_eq!(ack(&l, push(id, 1)), ok());
+        assert_eq!(keys(&mut b), [1]);
+        drop(b);
+        assert_eq!(ack(&l, push(id, 2)), ok());
+        assert_eq!(ack(&l, push(id, 3)), ok());
+        assert_eq!(keys(&mut a), [0, 3]);
+        assert_eq!(keys(&mut c), [2]);
     }
 }

@@ -87,6 +87,16 @@ impl ClusterView {
         self.leaders = elect(answers);
     }
 
+    /// How many partitions each broker is known to lead; brokers leading none are
+    /// absent.
+    pub fn led_partitions(&self) -> BTreeMap<NodeId, u32> {
+        let mut led = BTreeMap::new();
+        for l in self.leaders.values() {
+            *led.entry(l.node).or_insert(0) += 1;
+        }
+        led
+    }
+
     /// Applies a NotLeader answer from broker `from`: its hint becomes the leader at
     /// once; without a hint, `from` at least stops being the leader.
     pub fn hint(&mut self, partition: PartitionId, from: NodeId, leader: Option<NodeId>) {
@@ -143,6 +153,8 @@ pub struct Topology {
     members: watch::Sender<BTreeMap<NodeId, String>>,
     /// The partition count, for requests that arrive before the first answer.
     partitions: watch::Sender<u32>,
+    /// Partitions led per broker, for splitting stream credit between brokers.
+    led: watch::Sender<BTreeMap<NodeId, u32>>,
     /// Asks the refresh task for an early round (after a routing failure).
     refresh_wanted: Notify,
 }
@@ -165,6 +177,7 @@ impl Topology {
             channels: Mutex::new(HashMap::new()),
             members: watch::Sender::new(BTreeMap::new()),
             partitions: watch::Sender::new(0),
+            led: watch::Sender::new(BTreeMap::new()),
             refresh_wanted: Notify::new(),
         })
     }
@@ -196,7 +209,26 @@ impl Topology {
 
     /// Applies a NotLeader answer (see [`ClusterView::hint`]).
     pub fn hint(&self, partition: PartitionId, from: NodeId, leader: Option<NodeId>) {
-        self.write().hint(partition, from, leader);
+        let led = {
+            let mut view = self.write();
+            view.hint(partition, from, leader);
+            view.led_partitions()
+        };
+        self.publish_led(led);
+    }
+
+    /// How many partitions each broker leads (see [`ClusterView::led_partitions`]),
+    /// updated when it changes.
+    pub fn leadership(&self) -> watch::Receiver<BTreeMap<NodeId, u32>> {
+        self.led.subscribe()
+    }
+
+    fn publish_led(&self, led: BTreeMap<NodeId, u32>) {
+        self.led.send_if_modified(|l| {
+            let changed = *l != led;
+            *l = led;
+            changed
+        });
     }
 
     /// Asks for a refresh round soon, paced by [`MIN_REFRESH_GAP`].
@@ -296,7 +328,7 @@ impl Topology {
     }
 
     fn apply(&self, answers: &[BrokerTopology]) {
-        let (members, count) = {
+        let (members, count, led) = {
             let mut view = self.write();
             let before = view.leaders.clone();
             view.merge_round(answers);
@@ -310,8 +342,13 @@ impl Topology {
                     );
                 }
             }
-            (view.members.clone(), view.partitions_count)
+            (
+                view.members.clone(),
+                view.partitions_count,
+                view.led_partitions(),
+            )
         };
+        self.publish_led(led);
         self.members.send_if_modified(|m| {
             let changed = *m != members;
             *m = members;
@@ -408,6 +445,22 @@ mod tests {
         ]);
         assert_eq!(leader_of(&v, 1), Some(2));
         assert_eq!(v.leaders[&PartitionId(1)].term, 5);
+    }
+
+    #[test]
+    fn led_partitions_are_counted_per_broker() {
+        let mut v = ClusterView::default();
+        v.merge_round(&[
+            answer(
+                1,
+                vec![status(1, "leader", 1, 4), status(2, "leader", 1, 4)],
+            ),
+            answer(
+                2,
+                vec![status(3, "leader", 2, 4), status(1, "follower", 1, 4)],
+            ),
+        ]);
+        assert_eq!(v.led_partitions(), BTreeMap::from([(1, 2), (2, 1)]));
     }
 
     #[test]

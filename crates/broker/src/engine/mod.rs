@@ -60,7 +60,7 @@ impl LogCommand {
 
 /// Which aggregated stream on which gateway link a job is pushed to. Only the leader
 /// acts on the recipient; apply uses the properties, so every replica activates alike.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Recipient {
     /// The broker-local id of the gateway link.
     pub link: u64,
@@ -89,8 +89,18 @@ pub struct Push {
     pub target: PushTarget,
     pub lease: u64,
     pub job: ActivatedJob,
-    /// Whether the job was created by this entry (for create-to-push latency).
-    pub created: bool,
+    pub origin: PushOrigin,
+}
+
+/// Why a job was pushed: for the create-to-push latency and back-fill metrics.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PushOrigin {
+    /// Created by this entry.
+    Created,
+    /// Runnable again (failed, timed out, back-off over, retries updated).
+    Runnable,
+    /// Taken from the backlog for a stream that had none or no credit before.
+    Backfill,
 }
 
 /// What the leader does after applying an entry.
@@ -101,6 +111,9 @@ pub enum Effect {
     /// A job was activated for a stream: push it to the recipient. Boxed: it carries
     /// the job's documents.
     Push(Box<Push>),
+    /// An activation ended (completed, failed, error thrown, canceled, timed out,
+    /// yielded): a gateway holding it for a client may count that credit free again.
+    Finished { key: JobKey, lease: u64 },
 }
 
 /// A job's lifecycle state while it exists. Completed and canceled jobs are removed.
@@ -299,7 +312,7 @@ impl State {
                 job_type,
                 tenant_id,
             } => seen.insert((job_type.clone(), tenant_id.clone())),
-            Effect::Push(_) => true,
+            Effect::Push(_) | Effect::Finished { .. } => true,
         });
         Applied { replies, effects }
     }
@@ -325,6 +338,7 @@ impl State {
                         Some(JobStatus::Activated { deadline, .. }) if *deadline <= ts
                     );
                     if due {
+                        self.end_activation(*key, effects);
                         self.runnable(ts, *key, &mut budget, false, effects, changes);
                     }
                 }
@@ -350,6 +364,7 @@ impl State {
                 );
                 if current {
                     // Not pushed again at once: it waits for a poll or a stream with room.
+                    self.end_activation(*key, effects);
                     self.runnable(ts, *key, &mut Budget::default(), false, effects, changes);
                 }
                 Ok(Reply::Done)
@@ -362,7 +377,7 @@ impl State {
                         target: target.clone(),
                         lease,
                         job,
-                        created: false,
+                        origin: PushOrigin::Backfill,
                     })));
                 }
                 Ok(Reply::Done)
@@ -389,6 +404,7 @@ impl State {
             )),
             Command::Complete { key, .. } => {
                 self.expect_activated(*key, "complete")?;
+                self.end_activation(*key, effects);
                 self.remove(*key, changes);
                 Ok(Reply::Done)
             }
@@ -400,6 +416,7 @@ impl State {
                 variables,
             } => {
                 self.expect_activated(*key, "fail")?;
+                self.end_activation(*key, effects);
                 self.unindex(*key);
                 let job = self.job_mut(*key, "fail")?;
                 job.retries = (*retries).max(0);
@@ -427,6 +444,7 @@ impl State {
                 variables,
             } => {
                 self.expect_activated(*key, "throw an error for")?;
+                self.end_activation(*key, effects);
                 self.unindex(*key);
                 let job = self.job_mut(*key, "throw an error for")?;
                 job.error_code = error_code.clone();
@@ -471,6 +489,7 @@ impl State {
                 if !self.jobs.contains_key(key) {
                     return Err(not_found(*key, "cancel"));
                 }
+                self.end_activation(*key, effects);
                 self.remove(*key, changes);
                 Ok(Reply::Done)
             }
@@ -585,7 +604,11 @@ impl State {
                         target,
                         lease,
                         job: activated,
-                        created,
+                        origin: if created {
+                            PushOrigin::Created
+                        } else {
+                            PushOrigin::Runnable
+                        },
                     })));
                 }
             }
@@ -607,6 +630,13 @@ impl State {
         job.status = JobStatus::Activatable { seq };
         self.reindex(key);
         changes.insert(key);
+    }
+
+    /// Announces the end of the job's activation, if it is activated.
+    fn end_activation(&self, key: JobKey, effects: &mut Vec<Effect>) {
+        if let Some(JobStatus::Activated { lease, .. }) = self.jobs.get(&key).map(|j| &j.status) {
+            effects.push(Effect::Finished { key, lease: *lease });
+        }
     }
 
     fn lease_of(&self, key: JobKey) -> u64 {

@@ -27,6 +27,10 @@ fn props(t: &str, timeout_ms: i64) -> ActivationProps {
     }
 }
 
+fn finished(key: JobKey, lease: u64) -> Effect {
+    Effect::Finished { key, lease }
+}
+
 fn available(t: &str) -> Effect {
     Effect::JobsAvailable {
         job_type: t.to_string(),
@@ -201,7 +205,7 @@ fn complete_removes_the_job_and_twice_is_not_found() {
     };
     let (reply, effects, changes) = run(&mut s, T0, c.clone());
     assert_eq!(reply, Ok(Reply::Done));
-    assert!(effects.is_empty());
+    assert_eq!(effects, vec![finished(k, 1)]);
     assert_eq!(changes, keys(&[k]));
     assert!(s.job(k).is_none());
     assert_eq!(s.next_deadline(), None);
@@ -300,7 +304,7 @@ fn fail_with_retries_and_no_backoff_is_runnable_at_once() {
         },
     );
     assert_eq!(reply, Ok(Reply::Done));
-    assert_eq!(effects, vec![available("a")]);
+    assert_eq!(effects, vec![finished(k, 1), available("a")]);
     assert_eq!(changes, keys(&[k]));
     let j = s.job(k).expect("job");
     assert_eq!(j.retries, 2);
@@ -328,7 +332,7 @@ fn fail_with_backoff_waits_then_recur_makes_it_runnable() {
         },
     );
     assert_eq!(reply, Ok(Reply::Done));
-    assert!(effects.is_empty());
+    assert_eq!(effects, vec![finished(k, 1)]);
     assert_eq!(status(&s, k), JobStatus::BackOff { retry_at: T0 + 105 });
     assert_eq!(s.next_retry(), Some(T0 + 105));
     assert!(activate(&mut s, T0 + 6, "a", 1).is_empty());
@@ -376,7 +380,7 @@ fn fail_without_retries_is_an_incident_until_retries_are_updated() {
         },
     );
     assert_eq!(reply, Ok(Reply::Done));
-    assert!(effects.is_empty());
+    assert_eq!(effects, vec![finished(k, 1)]);
     assert_eq!(status(&s, k), JobStatus::Incident);
     assert_eq!(s.view(k).map(|v| v.state), Some(JobStateKind::Incident));
     assert!(activate(&mut s, T0, "a", 1).is_empty());
@@ -428,7 +432,7 @@ fn activation_timeout_makes_the_job_runnable_again() {
         },
     );
     assert_eq!(reply, Ok(Reply::Done));
-    assert_eq!(effects, vec![available("a")]);
+    assert_eq!(effects, vec![finished(k, 1), available("a")]);
     assert_eq!(changes, keys(&[k]));
     assert_eq!(
         s.job(k).map(|j| j.retries),
@@ -489,7 +493,7 @@ fn throw_error_is_terminal_and_keeps_code_and_message() {
         },
     );
     assert_eq!(reply, Ok(Reply::Done));
-    assert!(effects.is_empty());
+    assert_eq!(effects, vec![finished(k, 1)]);
     assert_eq!(changes, keys(&[k]));
     let v = s.view(k).expect("kept");
     assert_eq!(v.state, JobStateKind::ErrorThrown);
@@ -517,10 +521,10 @@ fn cancel_removes_a_job_in_any_state() {
     let a = create(&mut s, "a");
     let b = create(&mut s, "a");
     activate(&mut s, T0, "a", 1); // a is activated, b activatable
-    for k in [a, b] {
+    for (k, ended) in [(a, vec![finished(a, 1)]), (b, vec![])] {
         let (reply, effects, changes) = run(&mut s, T0, Command::Cancel { key: k });
         assert_eq!(reply, Ok(Reply::Done));
-        assert!(effects.is_empty());
+        assert_eq!(effects, ended, "only an activated job's activation ends");
         assert_eq!(changes, keys(&[k]));
         assert!(s.job(k).is_none());
     }
@@ -612,7 +616,7 @@ fn pushes(effects: &[Effect]) -> Vec<(JobKey, u64)> {
         .iter()
         .filter_map(|e| match e {
             Effect::Push(p) => Some((p.job.key, p.lease)),
-            Effect::JobsAvailable { .. } => None,
+            Effect::JobsAvailable { .. } | Effect::Finished { .. } => None,
         })
         .collect()
 }
@@ -645,7 +649,7 @@ fn create_with_a_stream_activates_and_pushes_in_the_same_entry() {
             target: target("a", 10),
             lease: 1,
             job: expected_job,
-            created: true,
+            origin: PushOrigin::Created,
         }))],
         "pushed, and no jobs-available notice"
     );
@@ -734,9 +738,10 @@ fn fail_without_backoff_pushes_again_at_once_but_with_backoff_waits() {
     assert_eq!(pushes(&effects), vec![(k, 2)]);
 
     let (_, effects, _) = run_log(&mut s, T0 + 2, with_push(fail(100), vec![target("a", 1)]));
-    assert!(
-        effects.is_empty(),
-        "in back-off: neither pushed nor announced"
+    assert_eq!(
+        effects,
+        vec![finished(k, 2)],
+        "in back-off: the activation ends; neither pushed nor announced"
     );
     let (_, effects, _) = run_log(
         &mut s,
@@ -814,7 +819,7 @@ fn a_yield_with_the_current_lease_makes_the_job_pollable_not_pushed() {
     let k = JobKey::new(P, 1);
     let (reply, effects, changes) = run_log(&mut s, T0 + 5, LogCommand::Yield { key: k, lease: 1 });
     assert_eq!(reply, Ok(Reply::Done));
-    assert_eq!(effects, vec![available("a")]);
+    assert_eq!(effects, vec![finished(k, 1), available("a")]);
     assert_eq!(changes, keys(&[k]));
     assert!(matches!(status(&s, k), JobStatus::Activatable { .. }));
     assert_eq!(s.next_deadline(), None);
@@ -889,7 +894,7 @@ fn backfill_pushes_the_oldest_backlog_up_to_its_bound() {
     assert_eq!(pushes(&effects), vec![(a, 1), (b, 2)]);
     assert!(effects
         .iter()
-        .all(|e| matches!(e, Effect::Push(p) if !p.created && p.job.deadline == T0 + 30_009)));
+        .all(|e| matches!(e, Effect::Push(p) if p.origin == PushOrigin::Backfill && p.job.deadline == T0 + 30_009)));
     assert_eq!(changes, keys(&[a, b]));
     let (_, effects, _) = run_log(
         &mut s,
