@@ -8,6 +8,7 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
+use std::io::IsTerminal as _;
 use std::time::{Duration, Instant};
 
 /// Jobs per CreateJobs request when creating many.
@@ -36,7 +37,7 @@ pub struct ClientOpts {
 }
 
 impl ClientOpts {
-    fn client(&self) -> anyhow::Result<Client> {
+    pub(crate) fn client(&self) -> anyhow::Result<Client> {
         Ok(Client::connect(&self.address)?.with_retry_budget(self.retry_budget))
     }
 }
@@ -298,8 +299,12 @@ pub async fn status(opts: ClientOpts) -> anyhow::Result<()> {
 }
 
 /// Creates `count` copies of `job` in batches, a few batches in flight, and prints
-/// the rate.
+/// the rate. A person watching (stderr is a terminal) sees a progress bar meanwhile;
+/// scripts and logs get only the summary.
 async fn create_many(client: &Client, job: NewJob, count: u32, json: bool) -> anyhow::Result<()> {
+    let progress = std::io::stderr()
+        .is_terminal()
+        .then(|| create_progress_bar(count));
     let start = Instant::now();
     let batches = (0..count)
         .step_by(CREATE_BATCH as usize)
@@ -314,9 +319,23 @@ async fn create_many(client: &Client, job: NewJob, count: u32, json: bool) -> an
     let mut created = 0usize;
     while let Some(result) = results.next().await {
         // Earlier batches are committed; say how far it got.
-        created += result
-            .with_context(|| format!("after creating {created} of {count} jobs"))?
-            .len();
+        let batch = result.with_context(|| format!("after creating {created} of {count} jobs"));
+        let batch = match batch {
+            Ok(keys) => keys.len(),
+            Err(e) => {
+                if let Some(p) = &progress {
+                    p.abandon();
+                }
+                return Err(e);
+            }
+        };
+        created += batch;
+        if let Some(p) = &progress {
+            p.inc(batch as u64);
+        }
+    }
+    if let Some(p) = progress {
+        p.finish_and_clear();
     }
     let seconds = start.elapsed().as_secs_f64();
     let rate = created as f64 / seconds.max(1e-9);
@@ -331,6 +350,25 @@ async fn create_many(client: &Client, job: NewJob, count: u32, json: bool) -> an
     Ok(())
 }
 
+/// A bar for `count` jobs with the running rate, drawn on stderr.
+fn create_progress_bar(count: u32) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(u64::from(count));
+    // The template is a constant; should it ever fail to parse, the default style
+    // still shows progress.
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{bar:40} {human_pos}/{human_len} jobs  {rate:>12}  {elapsed_precise} (eta {eta})",
+    ) {
+        // indicatif's own `{per_sec}` prints every decimal of the rate.
+        bar.set_style(style.with_key(
+            "rate",
+            |state: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                let _ = write!(w, "{:.0} jobs/s", state.per_sec());
+            },
+        ));
+    }
+    bar
+}
+
 /// Prints the outcome of a command that answers nothing but success.
 fn done(json: bool, value: Value, text: impl FnOnce() -> String) {
     if json {
@@ -341,7 +379,7 @@ fn done(json: bool, value: Value, text: impl FnOnce() -> String) {
 }
 
 /// A duration: `500ms`, `10s`, `5m`, `1h`, or a bare number of milliseconds.
-fn parse_duration(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let invalid =
         || format!("invalid duration {s:?}: expected e.g. 500ms, 10s, 5m, 1h or a number of ms");
@@ -379,7 +417,7 @@ fn embed(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.to_string()))
 }
 
-fn or_empty_object(text: &str) -> &str {
+pub(crate) fn or_empty_object(text: &str) -> &str {
     if text.is_empty() {
         "{}"
     } else {

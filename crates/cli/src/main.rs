@@ -1,8 +1,9 @@
 //! The `courier` binary: servers (`dev`, `broker`, `gateway`) and the client side
-//! (`job ...`, `status`). Thin: everything real lives in the library crates.
+//! (`job ...`, `worker`, `status`). Thin: everything real lives in the library crates.
 
 mod client_cmds;
 mod servers;
+mod worker_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -32,6 +33,13 @@ enum Cmd {
         #[command(subcommand)]
         cmd: client_cmds::JobCmd,
     },
+    /// Run a shell command for every job of a type, until Ctrl-C.
+    Worker {
+        #[command(flatten)]
+        conn: client_cmds::ClientOpts,
+        #[command(flatten)]
+        args: worker_cmd::WorkerArgs,
+    },
     /// Show the cluster's brokers, partitions, leaders and health.
     Status {
         #[command(flatten)]
@@ -47,6 +55,7 @@ async fn main() -> std::process::ExitCode {
         Cmd::Broker(a) => servers::broker(a).await,
         Cmd::Gateway(a) => servers::gateway(a).await,
         Cmd::Job { conn, cmd } => client_cmds::job(conn, cmd).await,
+        Cmd::Worker { conn, args } => worker_cmd::worker(conn, args).await,
         Cmd::Status { conn } => client_cmds::status(conn).await,
     };
     match result {

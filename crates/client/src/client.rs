@@ -1,7 +1,7 @@
 //! [`Client`]: one channel to a gateway, the producer and worker calls, their retries.
 
 use crate::error::ClientError;
-use crate::request::{millis, IntoJsonText};
+use crate::request::{millis, IntoJsonText, StreamJobs, MAX_JOBS_ACTIVE_HEADER};
 use crate::retry::{with_retries, Backoff, DEFAULT_RETRY_BUDGET};
 use courier_proto::courier_v1::{self as v1, jobs_client::JobsClient};
 use courier_proto::gateway_protocol::{self as gw, gateway_client::GatewayClient};
@@ -17,6 +17,20 @@ use tonic::Status;
 /// pressure) until the retry budget is spent. A command the gateway carried out but
 /// whose answer was lost is retried too: a retried create may create a second job, a
 /// retried complete may answer `NOT_FOUND`.
+///
+/// ```no_run
+/// use courier_client::{Client, NewJob};
+/// use std::time::Duration;
+///
+/// # async fn example() -> Result<(), courier_client::ClientError> {
+/// let client = Client::connect("127.0.0.1:26500")?.with_retry_budget(Duration::from_secs(5));
+/// let job = client.create_job(NewJob::new("email").retries(5)).await?;
+/// let record = client.get_job(job.key).await?;
+/// println!("job {} has {} retries", record.key, record.retries);
+/// client.cancel_job(job.key).await?;
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Client {
     jobs: JobsClient<Channel>,
@@ -147,6 +161,34 @@ impl Client {
         })
         .await?;
         Ok(jobs)
+    }
+
+    /// Opens a job stream: the gateway pushes jobs of the type to it, activated, as
+    /// they become runnable, until the stream is dropped or fails. Opening is retried
+    /// like any call; a stream that breaks later is the caller's to reopen (a
+    /// [`JobWorker`](crate::JobWorker) does that). A gateway without job push
+    /// answers `UNIMPLEMENTED`.
+    ///
+    /// Every job received is activated for this client: complete, fail or give it
+    /// back, or it runs again only after its timeout.
+    pub async fn stream_activated_jobs(
+        &self,
+        request: StreamJobs,
+    ) -> Result<tonic::Streaming<gw::ActivatedJob>, ClientError> {
+        let credit = request.credit();
+        let message = gw::StreamActivatedJobsRequest::from(request);
+        let stream = with_retries(self.backoff, self.retry_budget, || {
+            let mut gateway = self.gateway.clone();
+            let mut request = tonic::Request::new(message.clone());
+            if let Some(n) = credit {
+                request
+                    .metadata_mut()
+                    .insert(MAX_JOBS_ACTIVE_HEADER, n.into());
+            }
+            async move { gateway.stream_activated_jobs(request).await }
+        })
+        .await?;
+        Ok(stream.into_inner())
     }
 
     /// Completes an activated job. `variables` is a JSON object, or `""` for none.
@@ -359,6 +401,7 @@ mod tests {
         send(c.create_jobs([crate::NewJob::new("t")]));
         send(c.activate_jobs(crate::ActivateJobs::new("t")));
         send(c.complete_job(1, "{}"));
+        send(c.stream_activated_jobs(crate::StreamJobs::new("t")));
         send(c.topology());
     }
 

@@ -25,22 +25,48 @@
 //! # }
 //! ```
 //!
+//! A [`JobWorker`] runs a handler for every job of a type: jobs are pushed to it on a
+//! stream the moment they are runnable, polled when push cannot deliver, and never
+//! more than its max jobs active at once.
+//!
+//! ```no_run
+//! use courier_client::{Client, JobOutcome, JobWorker};
+//!
+//! # async fn example() -> Result<(), courier_client::ClientError> {
+//! let client = Client::connect("127.0.0.1:26500")?;
+//! let worker = JobWorker::builder(client, "payment", |job| async move {
+//!     println!("charging for job {}: {}", job.key, job.variables);
+//!     Ok::<_, std::convert::Infallible>(JobOutcome::complete())
+//! })
+//! .spawn()?;
+//! tokio::signal::ctrl_c().await.ok();
+//! worker.shutdown().await;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # Layout
 //! - [`client`]: [`Client`], the calls and their retries.
-//! - [`request`]: builders for what a call sends ([`NewJob`], [`ActivateJobs`]) and
-//!   [`IntoJsonText`] for variables and headers.
+//! - [`request`]: builders for what a call sends ([`NewJob`], [`ActivateJobs`],
+//!   [`StreamJobs`]) and [`IntoJsonText`] for variables and headers.
 //! - `retry`: the back-off schedule and the retry budget.
 //! - [`error`]: the one error type, [`ClientError`].
-//! - `worker` (to come): the streaming `JobWorker`, built on [`Client`].
+//! - [`worker`]: [`JobWorker`], which runs a handler for every job of a type: pushed on a
+//!   stream first, polled as a fallback, within its max jobs active, with graceful
+//!   shutdown and [`WorkerMetrics`].
 
 pub mod client;
 pub mod error;
 pub mod request;
 mod retry;
+pub mod worker;
 
 pub use client::Client;
 pub use courier_proto::courier_v1::{CreateJobResponse, Job, JobState};
 pub use courier_proto::gateway_protocol::{ActivatedJob, TopologyResponse};
 pub use error::ClientError;
-pub use request::{ActivateJobs, IntoJsonText, NewJob};
+pub use request::{ActivateJobs, IntoJsonText, NewJob, StreamJobs, MAX_JOBS_ACTIVE_HEADER};
 pub use retry::DEFAULT_RETRY_BUDGET;
+pub use worker::{
+    JobOutcome, JobWorker, JobWorkerBuilder, ShutdownHandle, WorkerMetrics, WorkerMetricsSnapshot,
+};

@@ -183,6 +183,87 @@ impl From<ActivateJobs> for gw::ActivateJobsRequest {
     }
 }
 
+/// The metadata header that tells a Courier gateway how many pushed jobs a
+/// `StreamActivatedJobs` client may hold unfinished (its push credit). Zeebe's clients
+/// never send it; a gateway that does not know it ignores it.
+pub const MAX_JOBS_ACTIVE_HEADER: &str = "courier-max-jobs-active";
+
+/// A job stream: `StreamJobs::new("payment").worker("billing").max_jobs_active(32)`.
+/// Defaults as [`ActivateJobs`]: worker `default`, a 5 minute job timeout, all
+/// variables, the `<default>` tenant, and no stated capacity (the gateway's default).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamJobs {
+    job_type: String,
+    worker: String,
+    timeout: Duration,
+    fetch_variables: Vec<String>,
+    tenant_ids: Vec<String>,
+    /// Sent as [`MAX_JOBS_ACTIVE_HEADER`], not in the message: the wire message is
+    /// Zeebe's and has no such field.
+    max_jobs_active: Option<u32>,
+}
+
+impl StreamJobs {
+    /// Stream jobs of this type.
+    pub fn new(job_type: impl Into<String>) -> Self {
+        StreamJobs {
+            job_type: job_type.into(),
+            worker: "default".to_string(),
+            timeout: Duration::from_secs(300),
+            fetch_variables: Vec::new(),
+            tenant_ids: Vec::new(),
+            max_jobs_active: None,
+        }
+    }
+
+    /// The worker name recorded on the pushed jobs.
+    pub fn worker(mut self, worker: impl Into<String>) -> Self {
+        self.worker = worker.into();
+        self
+    }
+
+    /// How long each activation lasts before the job becomes runnable again.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Hand over only these variables (all when none is named).
+    pub fn fetch_variables(mut self, names: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        self.fetch_variables = names.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Take jobs of these tenants (`<default>` when none is named).
+    pub fn tenant_ids(mut self, tenants: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        self.tenant_ids = tenants.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// How many pushed jobs this client holds at most: its push credit.
+    pub fn max_jobs_active(mut self, max: u32) -> Self {
+        self.max_jobs_active = Some(max);
+        self
+    }
+
+    /// The stated credit, if any.
+    pub(crate) fn credit(&self) -> Option<u32> {
+        self.max_jobs_active
+    }
+}
+
+impl From<StreamJobs> for gw::StreamActivatedJobsRequest {
+    fn from(s: StreamJobs) -> Self {
+        gw::StreamActivatedJobsRequest {
+            r#type: s.job_type,
+            worker: s.worker,
+            timeout: millis(s.timeout),
+            fetch_variable: s.fetch_variables,
+            tenant_ids: s.tenant_ids,
+        }
+    }
+}
+
 /// Milliseconds as the wire counts them, saturating rather than wrapping.
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
@@ -260,6 +341,28 @@ mod tests {
         let r =
             gw::ActivateJobsRequest::from(ActivateJobs::new("t").request_timeout(Duration::ZERO));
         assert_eq!(r.request_timeout, -1);
+    }
+
+    #[test]
+    fn stream_jobs_defaults_and_options() {
+        let r = gw::StreamActivatedJobsRequest::from(StreamJobs::new("t"));
+        assert_eq!(r.worker, "default");
+        assert_eq!(r.timeout, 300_000);
+        assert!(r.tenant_ids.is_empty() && r.fetch_variable.is_empty());
+        assert_eq!(StreamJobs::new("t").credit(), None);
+
+        let s = StreamJobs::new("t")
+            .worker("w")
+            .timeout(Duration::from_secs(10))
+            .fetch_variables(["a"])
+            .tenant_ids(["acme"])
+            .max_jobs_active(4);
+        assert_eq!(s.credit(), Some(4));
+        let r = gw::StreamActivatedJobsRequest::from(s);
+        assert_eq!(
+            (r.worker.as_str(), r.timeout, r.fetch_variable, r.tenant_ids),
+            ("w", 10_000, vec!["a".to_string()], vec!["acme".to_string()])
+        );
     }
 
     #[test]

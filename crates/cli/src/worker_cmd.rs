@@ -1,0 +1,375 @@
+//! `courier worker TYPE --handler CMD`: a [`JobWorker`] whose handler is a shell
+//! command, as with `zbctl create worker`. Each job runs `sh -c CMD` with the job's
+//! variables as JSON on stdin; a JSON object printed on stdout completes the job
+//! with those variables, a non-zero exit fails it with stderr as the message.
+
+use crate::client_cmds::{or_empty_object, parse_duration, ClientOpts};
+use courier_client::{ActivatedJob, JobOutcome, JobWorker};
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::AsyncWriteExt;
+use tokio::process::Command;
+
+/// The most of a handler's stderr or stdout quoted in a failure message: the end
+/// of it, where the error usually is.
+const MESSAGE_LIMIT: usize = 2000;
+
+/// The worker's options.
+#[derive(clap::Args, Debug, PartialEq)]
+pub struct WorkerArgs {
+    /// The job type to work on.
+    #[arg(value_name = "TYPE")]
+    pub job_type: String,
+    /// The command run for each job (with `sh -c`). It reads the job's variables as
+    /// JSON on stdin; a JSON object it prints on stdout completes the job with those
+    /// variables (nothing printed: no variables); a non-zero exit fails the job with
+    /// stderr as the message. COURIER_JOB_KEY, COURIER_JOB_TYPE, COURIER_JOB_RETRIES
+    /// and COURIER_JOB_HEADERS describe the job.
+    #[arg(long)]
+    pub handler: String,
+    /// At most this many jobs at a time.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_jobs_active: u32,
+    /// How long a job may take before it runs again elsewhere.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    pub timeout: Duration,
+    /// Only long-poll: open no job stream.
+    #[arg(long)]
+    pub no_stream: bool,
+    /// The worker name recorded on the jobs.
+    #[arg(long, default_value = "courier-worker")]
+    pub name: String,
+    /// On Ctrl-C or SIGTERM, how long running handlers may take to finish before
+    /// their jobs are given back.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub grace: Duration,
+    /// Take jobs of this tenant (repeatable; default: <default>).
+    #[arg(long = "tenant")]
+    pub tenants: Vec<String>,
+    /// Hand the handler only this variable (repeatable; default: all).
+    #[arg(long = "fetch-variable")]
+    pub fetch_variables: Vec<String>,
+}
+
+/// Runs the worker until Ctrl-C or SIGTERM, then shuts it down gracefully and prints
+/// what it did.
+pub async fn worker(opts: ClientOpts, args: WorkerArgs) -> anyhow::Result<()> {
+    init_logging();
+    let json = opts.json;
+    let command = Arc::new(args.handler);
+    let worker = JobWorker::builder(opts.client()?, &args.job_type, move |job| {
+        let command = Arc::clone(&command);
+        async move {
+            let outcome = run_handler(&command, &job).await;
+            print_outcome(json, job.key, &outcome);
+            Ok::<_, Infallible>(outcome)
+        }
+    })
+    .max_jobs_active(args.max_jobs_active)
+    .timeout(args.timeout)
+    .name(args.name)
+    .streaming(!args.no_stream)
+    .shutdown_grace(args.grace)
+    .tenant_ids(args.tenants)
+    .fetch_variables(args.fetch_variables)
+    .spawn()?;
+    eprintln!(
+        "working on {} jobs from {} ({}, at most {} at a time); Ctrl-C stops",
+        args.job_type,
+        opts.address,
+        if args.no_stream {
+            "polling"
+        } else {
+            "streaming, polling as fallback"
+        },
+        args.max_jobs_active
+    );
+
+    wait_for_signal().await;
+    eprintln!(
+        "stopping: letting running handlers finish (up to {:?})",
+        args.grace
+    );
+    let metrics = worker.metrics().clone();
+    worker.shutdown().await;
+    let s = metrics.snapshot();
+    if json {
+        println!(
+            "{}",
+            json!({
+                "completed": s.completed,
+                "failed": s.failed,
+                "givenBack": s.given_back_no_capacity + s.given_back_shutdown,
+                "pushed": s.pushed,
+                "polled": s.polled,
+                "commandsFailed": s.commands_failed,
+            })
+        );
+    } else {
+        println!(
+            "stopped: {} completed, {} failed, {} given back; received {} pushed, {} polled",
+            s.completed,
+            s.failed,
+            s.given_back_no_capacity + s.given_back_shutdown,
+            s.pushed,
+            s.polled
+        );
+    }
+    Ok(())
+}
+
+/// Warnings of the worker (a stream that broke, a poll that failed) on stderr;
+/// `RUST_LOG` shows more.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Returns on Ctrl-C or SIGTERM.
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// Runs the handler command for one job and reads its outcome.
+async fn run_handler(command: &str, job: &ActivatedJob) -> JobOutcome {
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(command)
+        .env("COURIER_JOB_KEY", job.key.to_string())
+        .env("COURIER_JOB_TYPE", &job.r#type)
+        .env("COURIER_JOB_RETRIES", job.retries.to_string())
+        .env("COURIER_JOB_HEADERS", or_empty_object(&job.custom_headers))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        // A handler abandoned at the end of the shutdown grace is killed with it.
+        .kill_on_drop(true);
+    // Its own process group: Ctrl-C in a terminal signals the whole foreground
+    // group, and the handlers must live through it to finish within the grace.
+    #[cfg(unix)]
+    cmd.process_group(0);
+    let mut child = match cmd.spawn() {
+        Ok(child) => child,
+        Err(e) => return JobOutcome::fail(format!("cannot start the handler: {e}")),
+    };
+    let stdin = child.stdin.take();
+    let variables = or_empty_object(&job.variables).to_string();
+    let feed = async move {
+        if let Some(mut stdin) = stdin {
+            // A handler need not read its input; the broken pipe that follows is
+            // no error. Dropping stdin closes it, which ends the handler's input.
+            let _ = stdin.write_all(variables.as_bytes()).await;
+        }
+    };
+    let ((), output) = tokio::join!(feed, child.wait_with_output());
+    match output {
+        Ok(out) => outcome_of(out.status, &out.stdout, &out.stderr),
+        Err(e) => JobOutcome::fail(format!("cannot run the handler: {e}")),
+    }
+}
+
+/// The job's outcome from how the handler ended and what it printed.
+fn outcome_of(status: ExitStatus, stdout: &[u8], stderr: &[u8]) -> JobOutcome {
+    if !status.success() {
+        let stderr = String::from_utf8_lossy(stderr);
+        let stderr = stderr.trim();
+        return JobOutcome::fail(if stderr.is_empty() {
+            format!("the handler failed ({status})")
+        } else {
+            tail(stderr, MESSAGE_LIMIT).to_string()
+        });
+    }
+    let stdout = String::from_utf8_lossy(stdout);
+    let stdout = stdout.trim();
+    if stdout.is_empty() {
+        return JobOutcome::complete();
+    }
+    match serde_json::from_str::<Value>(stdout) {
+        Ok(v @ Value::Object(_)) => JobOutcome::complete_with(v),
+        _ => JobOutcome::fail(format!(
+            "the handler's output is not a JSON object: {}",
+            tail(stdout, MESSAGE_LIMIT)
+        )),
+    }
+}
+
+/// The last `max` bytes of `s`, or a little less, cut at a character boundary.
+fn tail(s: &str, max: usize) -> &str {
+    let mut start = s.len().saturating_sub(max);
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    &s[start..]
+}
+
+/// One line per job on stdout: what the handler decided.
+fn print_outcome(json: bool, key: i64, outcome: &JobOutcome) {
+    match outcome {
+        JobOutcome::Complete { variables } => {
+            if json {
+                let variables = serde_json::from_str::<Value>(or_empty_object(variables))
+                    .unwrap_or_else(|_| json!({}));
+                println!(
+                    "{}",
+                    json!({"key": key, "outcome": "completed", "variables": variables})
+                );
+            } else {
+                println!("completed job {key} {}", or_empty_object(variables));
+            }
+        }
+        JobOutcome::Fail { message, .. } => {
+            if json {
+                println!(
+                    "{}",
+                    json!({"key": key, "outcome": "failed", "message": message})
+                );
+            } else {
+                println!("failed job {key}: {message}");
+            }
+        }
+        JobOutcome::ThrowError { code, message } => {
+            if json {
+                println!(
+                    "{}",
+                    json!({"key": key, "outcome": "errorThrown", "errorCode": code, "message": message})
+                );
+            } else {
+                println!("threw error {code} on job {key}: {message}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use std::os::unix::process::ExitStatusExt;
+
+    fn exit(code: i32) -> ExitStatus {
+        ExitStatus::from_raw(code << 8)
+    }
+
+    #[test]
+    fn output_decides_the_outcome() {
+        assert_eq!(
+            outcome_of(exit(0), b"{\"sent\": true}\n", b"chatter"),
+            JobOutcome::complete_with(r#"{"sent":true}"#)
+        );
+        assert_eq!(outcome_of(exit(0), b" \n", b""), JobOutcome::complete());
+        assert_eq!(
+            outcome_of(exit(0), b"done", b""),
+            JobOutcome::fail("the handler's output is not a JSON object: done")
+        );
+        assert_eq!(
+            outcome_of(exit(0), b"[1]", b""),
+            JobOutcome::fail("the handler's output is not a JSON object: [1]")
+        );
+        assert_eq!(
+            outcome_of(exit(3), b"{}", b"no route to host\n"),
+            JobOutcome::fail("no route to host")
+        );
+        assert_eq!(
+            outcome_of(exit(3), b"", b""),
+            JobOutcome::fail("the handler failed (exit status: 3)")
+        );
+        assert_eq!(
+            outcome_of(ExitStatus::from_raw(9), b"", b""),
+            JobOutcome::fail("the handler failed (signal: 9 (SIGKILL))")
+        );
+        let long = format!("{}END", "é".repeat(MESSAGE_LIMIT));
+        let JobOutcome::Fail { message, .. } = outcome_of(exit(1), b"", long.as_bytes()) else {
+            panic!("not a failure");
+        };
+        assert!(message.len() <= MESSAGE_LIMIT && message.ends_with("éEND"));
+    }
+
+    #[derive(Parser, Debug)]
+    struct TestCli {
+        #[command(flatten)]
+        args: WorkerArgs,
+    }
+
+    #[test]
+    fn worker_defaults_and_options() {
+        let a = TestCli::try_parse_from(["w", "email", "--handler", "cat"])
+            .unwrap()
+            .args;
+        assert_eq!(
+            a,
+            WorkerArgs {
+                job_type: "email".into(),
+                handler: "cat".into(),
+                max_jobs_active: 32,
+                timeout: Duration::from_secs(300),
+                no_stream: false,
+                name: "courier-worker".into(),
+                grace: Duration::from_secs(10),
+                tenants: vec![],
+                fetch_variables: vec![],
+            }
+        );
+        let a = TestCli::try_parse_from([
+            "w",
+            "email",
+            "--handler",
+            "cat",
+            "--max-jobs-active",
+            "4",
+            "--timeout",
+            "30s",
+            "--no-stream",
+            "--name",
+            "mailer",
+            "--grace",
+            "1m",
+            "--tenant",
+            "acme",
+            "--fetch-variable",
+            "to",
+        ])
+        .unwrap()
+        .args;
+        assert_eq!(
+            (a.max_jobs_active, a.timeout, a.no_stream, a.name.as_str()),
+            (4, Duration::from_secs(30), true, "mailer")
+        );
+        assert_eq!(
+            (a.grace, a.tenants, a.fetch_variables),
+            (
+                Duration::from_secs(60),
+                vec!["acme".into()],
+                vec!["to".into()]
+            )
+        );
+        for bad in [
+            &["w", "email"][..],
+            &["w", "--handler", "cat"],
+            &["w", "email", "--handler", "cat", "--max-jobs-active", "0"],
+        ] {
+            assert!(
+                TestCli::try_parse_from(bad).is_err(),
+                "{bad:?} was accepted"
+            );
+        }
+    }
+}

@@ -1,0 +1,463 @@
+//! [`JobWorker`]: runs a handler for every job of a type, with jobs pushed on a
+//! stream first and polled as a fallback, never holding more than its max jobs
+//! active, and shutting down without losing a job.
+//!
+//! # How jobs arrive
+//! - **Push.** The worker keeps one `StreamActivatedJobs` stream open, stating its
+//!   capacity in the `courier-max-jobs-active` header. When the stream fails (a
+//!   gateway restart, the network, `UNIMPLEMENTED` from a gateway without push) it
+//!   is reopened after a jittered back-off (50 ms doubling to 5 s), forever.
+//! - **Poll.** Beside it, whenever the worker has free room, it polls `ActivateJobs`
+//!   for at most that many jobs, so nothing waits on a backlog push does not cover
+//!   (jobs yielded while the worker was full, for instance). While the stream is
+//!   healthy the poll waits first, a jittered delay that climbs from 50 ms to 5 s
+//!   while polls come back empty; that wait is also push's head start on freed
+//!   room. Such a poll answers at once rather than parking on the gateway, so that
+//!   its ask is never stale: a parked poll woken long after it was sent could bring
+//!   back room's worth of jobs the stream has meanwhile filled. While the stream is
+//!   down the poll long-polls back to back. Polling never stops for good: errors
+//!   only pace it.
+//!
+//! # Never more than max jobs active
+//! A semaphore of max-jobs-active permits counts the jobs held, from receipt until
+//! the outcome is reported, whichever path they came by. A job that arrives when no
+//! permit is free (push and poll raced for the same room, or the gateway pushed
+//! beyond the stated credit) is not held: it is given back at once with
+//! `UpdateJobTimeout(key, 1 ms)`. It times out on the broker and is runnable again
+//! right away, with no retry used and no error recorded, unlike a `FailJob`, and it
+//! is counted in [`WorkerMetricsSnapshot::given_back_no_capacity`].
+//!
+//! # Shutdown
+//! [`JobWorker::shutdown`] stops taking jobs (drops the stream, abandons a poll in
+//! flight), lets running handlers finish within the grace period (10 s by
+//! default), then drops the handlers still running and gives their jobs back the
+//! same way, so another worker can take them at once. Failing them instead would
+//! cost each a retry (and make an incident of a job on its last one) and record an
+//! error the job did nothing to earn; merely leaving them would delay each by up to
+//! its whole activation timeout. Either way nothing is lost: a job that the
+//! shutdown catches in transit (pushed or polled but not yet received) times out on
+//! the broker and runs again.
+
+mod capacity;
+mod job;
+pub mod metrics;
+mod pacing;
+mod sources;
+
+use crate::error::ClientError;
+use crate::request::IntoJsonText;
+use crate::Client;
+use courier_proto::gateway_protocol::ActivatedJob;
+use metrics::{GiveBack, JobPath};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use metrics::{WorkerMetrics, WorkerMetricsSnapshot};
+
+/// What became of a job, as the handler decides it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum JobOutcome {
+    /// Complete the job, setting these variables (JSON object text; empty: none).
+    Complete {
+        /// The variables, as JSON text.
+        variables: String,
+    },
+    /// Fail the job.
+    Fail {
+        /// Why, recorded on the job.
+        message: String,
+        /// Retries left after this failure; `None`: one less than the job had.
+        retries: Option<i32>,
+        /// How long before the job may run again.
+        backoff: Duration,
+    },
+    /// End the job with a business error.
+    ThrowError {
+        /// The error code.
+        code: String,
+        /// The error message.
+        message: String,
+    },
+}
+
+impl JobOutcome {
+    /// Complete the job without variables.
+    pub fn complete() -> Self {
+        JobOutcome::Complete {
+            variables: String::new(),
+        }
+    }
+
+    /// Complete the job, setting these variables (a JSON object).
+    pub fn complete_with(variables: impl IntoJsonText) -> Self {
+        JobOutcome::Complete {
+            variables: variables.into_json_text(),
+        }
+    }
+
+    /// Fail the job with one retry less than it had, to run again at once if any
+    /// are left. This is what a handler's error or panic does.
+    pub fn fail(message: impl Into<String>) -> Self {
+        JobOutcome::Fail {
+            message: message.into(),
+            retries: None,
+            backoff: Duration::ZERO,
+        }
+    }
+
+    /// Fail the job, leaving it `retries` retries, to run again after `backoff`.
+    pub fn fail_with(message: impl Into<String>, retries: i32, backoff: Duration) -> Self {
+        JobOutcome::Fail {
+            message: message.into(),
+            retries: Some(retries),
+            backoff,
+        }
+    }
+
+    /// End the job with a business error.
+    pub fn throw_error(code: impl Into<String>, message: impl Into<String>) -> Self {
+        JobOutcome::ThrowError {
+            code: code.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// The handler with its error type erased to its message.
+type HandlerFuture = Pin<Box<dyn Future<Output = Result<JobOutcome, String>> + Send>>;
+type Handler = Arc<dyn Fn(ActivatedJob) -> HandlerFuture + Send + Sync>;
+
+/// What the worker asks for and how it stops.
+#[derive(Clone, Debug)]
+struct Config {
+    job_type: String,
+    name: String,
+    max_jobs_active: u32,
+    timeout: Duration,
+    fetch_variables: Vec<String>,
+    tenant_ids: Vec<String>,
+    streaming: bool,
+    grace: Duration,
+}
+
+/// Builds a [`JobWorker`]: [`JobWorker::builder`], options, then
+/// [`spawn`](JobWorkerBuilder::spawn).
+pub struct JobWorkerBuilder {
+    client: Client,
+    config: Config,
+    handler: Handler,
+}
+
+impl JobWorkerBuilder {
+    /// How many jobs the worker holds at most, from both paths together (default
+    /// 32). It is also the stream's push credit.
+    pub fn max_jobs_active(mut self, max: u32) -> Self {
+        self.config.max_jobs_active = max;
+        self
+    }
+
+    /// How long each activation lasts before an unfinished job runs again
+    /// elsewhere (default 5 minutes): longer than the handler ever takes.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.config.timeout = timeout;
+        self
+    }
+
+    /// Hand the handler only these variables (all when none is named).
+    pub fn fetch_variables(mut self, names: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        self.config.fetch_variables = names.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Take jobs of these tenants (`<default>` when none is named).
+    pub fn tenant_ids(mut self, tenants: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        self.config.tenant_ids = tenants.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// The worker name recorded on the jobs it takes (default `default`).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.config.name = name.into();
+        self
+    }
+
+    /// Whether to open a job stream (default true); without one the worker only
+    /// long-polls.
+    pub fn streaming(mut self, streaming: bool) -> Self {
+        self.config.streaming = streaming;
+        self
+    }
+
+    /// How long a shutdown waits for running handlers before giving their jobs
+    /// back (default 10 s).
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.config.grace = grace;
+        self
+    }
+
+    /// Starts the worker on the current Tokio runtime. Refuses (`INVALID_ARGUMENT`)
+    /// a blank job type or worker name and a max jobs active of 0, which the
+    /// gateway would refuse on every poll; refuses (`FAILED_PRECONDITION`) to start
+    /// outside a Tokio runtime.
+    pub fn spawn(self) -> Result<JobWorker, ClientError> {
+        let c = &self.config;
+        let invalid = |m: &str| Err(ClientError::Status(tonic::Status::invalid_argument(m)));
+        if c.job_type.trim().is_empty() {
+            return invalid("the job type must not be blank");
+        }
+        if c.name.trim().is_empty() {
+            return invalid("the worker name must not be blank");
+        }
+        if c.max_jobs_active == 0 {
+            return invalid("max jobs active must be at least 1");
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Err(ClientError::Status(tonic::Status::failed_precondition(
+                "a worker must be started inside a Tokio runtime",
+            )));
+        };
+        let stop = CancellationToken::new();
+        let metrics = WorkerMetrics::default();
+        let ctx = Arc::new(Ctx {
+            once: self.client.clone().with_retry_budget(Duration::ZERO),
+            give_back: self.client.clone().with_retry_budget(GIVE_BACK_BUDGET),
+            client: self.client,
+            capacity: capacity::Capacity::new(self.config.max_jobs_active as usize),
+            config: self.config,
+            handler: self.handler,
+            metrics: metrics.clone(),
+            tracker: TaskTracker::new(),
+            stop: stop.clone(),
+            abandon: CancellationToken::new(),
+        });
+        let supervisor = runtime.spawn(supervise(ctx));
+        Ok(JobWorker {
+            metrics,
+            stop,
+            supervisor: Some(supervisor),
+        })
+    }
+}
+
+/// A running worker. Dropping it starts its shutdown without waiting for it; call
+/// [`shutdown`](JobWorker::shutdown) to wait.
+///
+/// ```no_run
+/// use courier_client::{Client, JobOutcome, JobWorker};
+/// use serde_json::json;
+/// use std::time::Duration;
+///
+/// # async fn example() -> Result<(), courier_client::ClientError> {
+/// let client = Client::connect("127.0.0.1:26500")?;
+/// let worker = JobWorker::builder(client, "email", |job| async move {
+///     let vars: serde_json::Value = serde_json::from_str(&job.variables)?;
+///     println!("sending mail to {}", vars["to"]);
+///     // An `Err` fails the job with its message, leaving it one retry less.
+///     Ok::<_, serde_json::Error>(JobOutcome::complete_with(json!({ "sent": true })))
+/// })
+/// .max_jobs_active(16)
+/// .timeout(Duration::from_secs(60))
+/// .name("mailer")
+/// .spawn()?;
+///
+/// tokio::signal::ctrl_c().await.ok();
+/// worker.shutdown().await; // lets running handlers finish, for up to 10 s
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct JobWorker {
+    metrics: WorkerMetrics,
+    stop: CancellationToken,
+    /// Ends when the shutdown is complete; `None` once joined.
+    supervisor: Option<JoinHandle<()>>,
+}
+
+/// Stops a worker from anywhere (a signal handler, another task). Cloning is cheap.
+#[derive(Clone, Debug)]
+pub struct ShutdownHandle(CancellationToken);
+
+impl ShutdownHandle {
+    /// Starts the worker's shutdown; [`JobWorker::join`] waits for its end.
+    pub fn shutdown(&self) {
+        self.0.cancel();
+    }
+
+    /// Whether the shutdown has started.
+    pub fn is_shutdown(&self) -> bool {
+        self.0.is_cancelled()
+    }
+}
+
+impl JobWorker {
+    /// A worker for jobs of `job_type` whose outcomes `handler` decides. The handler
+    /// gets each job (its variables are JSON text); its `Ok` says what to do with
+    /// the job, and its `Err` or panic fails the job with the message and one retry
+    /// less. Handlers run concurrently, up to max jobs active.
+    pub fn builder<H, Fut, E>(
+        client: Client,
+        job_type: impl Into<String>,
+        handler: H,
+    ) -> JobWorkerBuilder
+    where
+        H: Fn(ActivatedJob) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<JobOutcome, E>> + Send + 'static,
+        E: std::fmt::Display + 'static,
+    {
+        let handler: Handler = Arc::new(move |job| {
+            let fut = handler(job);
+            Box::pin(async move { fut.await.map_err(|e| format!("{e:#}")) })
+        });
+        JobWorkerBuilder {
+            client,
+            config: Config {
+                job_type: job_type.into(),
+                name: "default".into(),
+                max_jobs_active: 32,
+                timeout: Duration::from_secs(300),
+                fetch_variables: Vec::new(),
+                tenant_ids: Vec::new(),
+                streaming: true,
+                grace: Duration::from_secs(10),
+            },
+            handler,
+        }
+    }
+
+    /// The worker's counters.
+    pub fn metrics(&self) -> &WorkerMetrics {
+        &self.metrics
+    }
+
+    /// A handle that starts this worker's shutdown.
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        ShutdownHandle(self.stop.clone())
+    }
+
+    /// Shuts down and waits until it is done: no job is taken any more, running
+    /// handlers have finished or their jobs were given back after the grace period,
+    /// and every outcome has been reported.
+    pub async fn shutdown(self) {
+        self.stop.cancel();
+        self.join().await;
+    }
+
+    /// Waits until the worker has been shut down (through a [`ShutdownHandle`]) and
+    /// the shutdown is done.
+    pub async fn join(mut self) {
+        if let Some(supervisor) = self.supervisor.take() {
+            // It only ends early if a task panicked, which is a bug to report, not
+            // a reason to panic the caller.
+            if let Err(e) = supervisor.await {
+                tracing::error!(error = %e, "worker supervisor failed");
+            }
+        }
+    }
+}
+
+impl Drop for JobWorker {
+    fn drop(&mut self) {
+        // The worker's tasks stop with their owner rather than run unowned.
+        self.stop.cancel();
+    }
+}
+
+/// How long a give-back keeps retrying: it only spares the job its timeout, so it
+/// is not worth holding a shutdown for.
+const GIVE_BACK_BUDGET: Duration = Duration::from_secs(2);
+
+/// What the worker's tasks share.
+struct Ctx {
+    /// Reports outcomes, with the caller's retry budget.
+    client: Client,
+    /// Polls and opens the stream without retries: the loops pace themselves.
+    once: Client,
+    /// Gives jobs back, with a short retry budget.
+    give_back: Client,
+    config: Config,
+    handler: Handler,
+    capacity: capacity::Capacity,
+    metrics: WorkerMetrics,
+    /// Every job task (handler, report, give-back), so shutdown can wait for them.
+    tracker: TaskTracker,
+    /// Shutdown started: take no more jobs.
+    stop: CancellationToken,
+    /// The grace period is over: drop the handlers still running.
+    abandon: CancellationToken,
+}
+
+impl Ctx {
+    /// A job arrived: hold it if there is room, give it back at once if not.
+    fn receive(self: &Arc<Self>, job: ActivatedJob, path: JobPath) {
+        self.metrics.received(path);
+        match self.capacity.try_take() {
+            Some(held) => {
+                let active = self.metrics.holding();
+                self.tracker
+                    .spawn(job::run(Arc::clone(self), job, (held, active)));
+            }
+            None => {
+                tracing::debug!(
+                    job_key = job.key,
+                    ?path,
+                    "no room for the job; giving it back"
+                );
+                self.tracker.spawn(job::give_back(
+                    Arc::clone(self),
+                    job.key,
+                    GiveBack::NoCapacity,
+                ));
+            }
+        }
+    }
+}
+
+/// Runs the job sources until shutdown, then winds down: sources first, then the
+/// handlers within the grace period, then whatever is left.
+async fn supervise(ctx: Arc<Ctx>) {
+    let initial = if ctx.config.streaming {
+        sources::StreamState::Opening
+    } else {
+        sources::StreamState::Down
+    };
+    // Held here for the worker's whole life, so the poller's view never closes.
+    let (state, state_rx) = tokio::sync::watch::channel(initial);
+    let stream = ctx
+        .config
+        .streaming
+        .then(|| tokio::spawn(sources::stream_loop(Arc::clone(&ctx), state.clone())));
+    let poll = tokio::spawn(sources::poll_loop(Arc::clone(&ctx), state_rx));
+
+    ctx.stop.cancelled().await;
+    // Both loops watch `stop` at every await and return at once; after they have,
+    // no job is taken any more.
+    if let Some(stream) = stream {
+        let _ = stream.await;
+    }
+    let _ = poll.await;
+    ctx.tracker.close();
+    let running = ctx.capacity.held();
+    tracing::info!(
+        job_type = %ctx.config.job_type,
+        running,
+        grace = ?ctx.config.grace,
+        "worker stopping: waiting for running handlers"
+    );
+    if tokio::time::timeout(ctx.config.grace, ctx.tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            unfinished = ctx.capacity.held(),
+            "grace period over: giving the unfinished jobs back"
+        );
+        ctx.abandon.cancel();
+        ctx.tracker.wait().await;
+    }
+    drop(state);
+}

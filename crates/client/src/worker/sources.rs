@@ -1,0 +1,192 @@
+//! The two ways jobs reach the worker: the stream, kept open, and the poll beside
+//! it. Both hand what they get to [`Ctx::receive`], which holds a job only with a
+//! free permit.
+
+use super::metrics::JobPath;
+use super::pacing::{Ramp, PACE};
+use super::Ctx;
+use crate::request::{ActivateJobs, StreamJobs};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tonic::Code;
+
+/// The stream's health, as the poller needs to know it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(super) enum StreamState {
+    /// The first stream is being opened: treated as healthy, so the poller does not
+    /// grab at once the backlog the new stream is about to be pushed.
+    Opening,
+    /// Open: push delivers.
+    Open,
+    /// Failed, being reopened, or switched off: the poller long-polls.
+    Down,
+}
+
+/// An empty long poll that came back sooner than this was not held by the gateway
+/// (it answers at once): the poller paces itself instead of spinning.
+const LONG_POLL_FLOOR: Duration = Duration::from_secs(1);
+
+/// Keeps a job stream open until shutdown, reopening it with jittered back-off.
+pub(super) async fn stream_loop(ctx: Arc<Ctx>, state: watch::Sender<StreamState>) {
+    let c = &ctx.config;
+    let request = StreamJobs::new(&c.job_type)
+        .worker(&c.name)
+        .timeout(c.timeout)
+        .fetch_variables(c.fetch_variables.clone())
+        .tenant_ids(c.tenant_ids.clone())
+        .max_jobs_active(c.max_jobs_active);
+    let mut ramp = Ramp::default();
+    // Only the first failure of a run of failures is worth a warning.
+    let mut quiet = false;
+    loop {
+        let opened = tokio::select! {
+            r = ctx.once.stream_activated_jobs(request.clone()) => r,
+            () = ctx.stop.cancelled() => return,
+        };
+        match opened {
+            Ok(mut jobs) => {
+                ctx.metrics.stream_opened();
+                state.send_replace(StreamState::Open);
+                tracing::debug!(job_type = %c.job_type, "job stream open");
+                let opened_at = Instant::now();
+                let ended = loop {
+                    tokio::select! {
+                        m = jobs.message() => match m {
+                            Ok(Some(job)) => ctx.receive(job, JobPath::Push),
+                            Ok(None) => break None,
+                            Err(status) => break Some(status),
+                        },
+                        () = ctx.stop.cancelled() => {
+                            // Dropping the stream cancels the call: the gateway
+                            // stops pushing and yields what it had buffered for us.
+                            ctx.metrics.stream_closed();
+                            return;
+                        }
+                    }
+                };
+                ctx.metrics.stream_failed();
+                state.send_replace(StreamState::Down);
+                match ended {
+                    None => {
+                        tracing::info!("the gateway closed the job stream; polling and reopening")
+                    }
+                    Some(s) => tracing::warn!(
+                        code = ?s.code(),
+                        message = s.message(),
+                        "the job stream broke; polling and reopening"
+                    ),
+                }
+                quiet = true;
+                // A stream that lived a while was a healthy one: start the ramp over.
+                if opened_at.elapsed() >= PACE.cap {
+                    ramp.reset();
+                }
+            }
+            Err(e) => {
+                ctx.metrics.stream_failed();
+                state.send_replace(StreamState::Down);
+                if quiet {
+                    tracing::debug!(error = %e, "job stream still unavailable");
+                } else if e.code() == Some(Code::Unimplemented) {
+                    tracing::info!(
+                        "the gateway has no job push; polling, and trying push again now and then"
+                    );
+                } else {
+                    tracing::warn!(error = %e, "cannot open the job stream; polling meanwhile");
+                }
+                quiet = true;
+            }
+        }
+        let delay = ramp.full_jitter(&mut rand::rng());
+        ramp.grow();
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = ctx.stop.cancelled() => return,
+        }
+    }
+}
+
+/// Polls for jobs whenever there is room, until shutdown.
+pub(super) async fn poll_loop(ctx: Arc<Ctx>, mut stream: watch::Receiver<StreamState>) {
+    let c = &ctx.config;
+    let base = ActivateJobs::new(&c.job_type)
+        .worker(&c.name)
+        .timeout(c.timeout)
+        .fetch_variables(c.fetch_variables.clone())
+        .tenant_ids(c.tenant_ids.clone());
+    // Climbs while polls come back empty, drops on jobs.
+    let mut idle = Ramp::default();
+    // Climbs while polls fail, drops on an answer.
+    let mut errors = Ramp::default();
+    loop {
+        tokio::select! {
+            () = ctx.capacity.until_free() => {}
+            () = ctx.stop.cancelled() => return,
+        }
+        if *stream.borrow() != StreamState::Down {
+            let delay = idle.equal_jitter(&mut rand::rng());
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                // The stream broke: poll now rather than after the delay.
+                _ = stream.wait_for(|s| *s == StreamState::Down) => {}
+                () = ctx.stop.cancelled() => return,
+            }
+        }
+        // Asked for at most what is free now; push may still fill that room while
+        // the poll is out, and what then finds no room is given back.
+        let free = ctx.capacity.free();
+        if free == 0 {
+            continue;
+        }
+        let beside_stream = *stream.borrow() != StreamState::Down;
+        let mut request = base
+            .clone()
+            .max_jobs(i32::try_from(free).unwrap_or(i32::MAX));
+        if beside_stream {
+            request = request.request_timeout(Duration::ZERO);
+        }
+        let sent = Instant::now();
+        let polled = tokio::select! {
+            r = ctx.once.activate_jobs(request) => r,
+            // A poll dropped mid-answer leaves its jobs to time out and run again.
+            () = ctx.stop.cancelled() => return,
+        };
+        let pause = match polled {
+            Ok(jobs) => {
+                errors.reset();
+                ctx.metrics.polled(jobs.len());
+                let empty = jobs.is_empty();
+                for job in jobs {
+                    ctx.receive(job, JobPath::Poll);
+                }
+                if !empty {
+                    idle.reset();
+                    None
+                } else {
+                    idle.grow();
+                    (!beside_stream && sent.elapsed() < LONG_POLL_FLOOR)
+                        .then(|| idle.full_jitter(&mut rand::rng()))
+                }
+            }
+            Err(e) => {
+                ctx.metrics.poll_failed();
+                if errors.ceiling() == PACE.base {
+                    tracing::warn!(error = %e, "poll failed; retrying with back-off");
+                } else {
+                    tracing::debug!(error = %e, "poll failed again");
+                }
+                let delay = errors.full_jitter(&mut rand::rng());
+                errors.grow();
+                Some(delay)
+            }
+        };
+        if let Some(pause) = pause {
+            tokio::select! {
+                () = tokio::time::sleep(pause) => {}
+                () = ctx.stop.cancelled() => return,
+            }
+        }
+    }
+}
