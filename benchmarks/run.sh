@@ -6,8 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
-DURATION=10; WARMUP=2
-if [[ "${1:-}" == "--quick" ]]; then DURATION=3; WARMUP=1; fi
+DURATION=10; WARMUP=2; FLOW=20; BURST=50000
+if [[ "${1:-}" == "--quick" ]]; then DURATION=3; WARMUP=1; FLOW=5; BURST=5000; fi
 
 cargo build --release -p courier-cli -p courier-bench
 BIN=target/release
@@ -53,7 +53,7 @@ e2e() { # label address
 
 start_dev() { # durability
   local gw; gw=$(free_port)
-  "$BIN/courier" dev --data-dir "$WORK/dev-$1" --gateway-addr "127.0.0.1:$gw" --metrics-addr off --durability "$1" >"$WORK/dev-$1.log" 2>&1 &
+  "$BIN/courier" dev --data-dir "$WORK/dev-$1" --gateway-addr "127.0.0.1:$gw" --metrics-addr "127.0.0.1:$(free_port)" --durability "$1" >"$WORK/dev-$1.log" 2>&1 &
   PIDS+=($!)
   wait_ready "127.0.0.1:$gw"; ADDR="127.0.0.1:$gw"
 }
@@ -62,15 +62,32 @@ start_cluster() { # durability
   local p1 p2 p3 gw peers
   p1=$(free_port); p2=$(free_port); p3=$(free_port); gw=$(free_port)
   peers="1=127.0.0.1:$p1,2=127.0.0.1:$p2,3=127.0.0.1:$p3"
-  local i=1
+  local i=1 m
+  BMETRICS=""
   for p in $p1 $p2 $p3; do
+    m="127.0.0.1:$(free_port)"; BMETRICS="$BMETRICS${BMETRICS:+,}$m"
     "$BIN/courier" broker --node-id $i --addr "127.0.0.1:$p" --peers "$peers" --partitions 3 \
-      --replication-factor 3 --durability "$1" --data-dir "$WORK/c-$1-$i" >"$WORK/broker-$1-$i.log" 2>&1 &
+      --replication-factor 3 --durability "$1" --data-dir "$WORK/c-$1-$i" --metrics-addr "$m" >"$WORK/broker-$1-$i.log" 2>&1 &
     PIDS+=($!); i=$((i+1))
   done
-  "$BIN/courier" gateway --addr "127.0.0.1:$gw" --brokers "127.0.0.1:$p1,127.0.0.1:$p2,127.0.0.1:$p3" >"$WORK/gateway-$1.log" 2>&1 &
-  PIDS+=($!)
+  GMETRICS="127.0.0.1:$(free_port)"
+  "$BIN/courier" gateway --addr "127.0.0.1:$gw" --brokers "127.0.0.1:$p1,127.0.0.1:$p2,127.0.0.1:$p3" --metrics-addr "$GMETRICS" >"$WORK/gateway-$1.log" 2>&1 &
+  PIDS+=($!); GWPID=$!
   wait_ready "127.0.0.1:$gw"; ADDR="127.0.0.1:$gw"
+}
+
+FLOWS=()
+flow() { # label address
+  local f=("$BIN/courier-bench" flow --address "$2" --label "$1" --gateway-metrics "$GMETRICS" --broker-metrics "$BMETRICS" --duration "$FLOW" --burst "$BURST")
+  FLOWS+=("$("${f[@]}" --scenario slow) - |")
+  # The gateway's resident memory, sampled through the overload.
+  : > "$WORK/rss"
+  ( while kill -0 "$GWPID" 2>/dev/null; do awk '/VmRSS/{print $2}' "/proc/$GWPID/status" >> "$WORK/rss"; sleep 0.2; done ) &
+  local sampler=$!
+  FLOWS+=("$("${f[@]}" --scenario overload) $(sort -n "$WORK/rss" | tail -1) KiB |")
+  kill "$sampler" 2>/dev/null || true
+  FLOWS+=("$("${f[@]}" --scenario burst) - |")
+  FLOWS+=("$("${f[@]}" --scenario burst-poll) - |")
 }
 
 # start_* set ADDR rather than print it: a $(...) subshell would lose PIDS, and the
@@ -83,6 +100,7 @@ for d in fsync replicated; do
   start_cluster "$d"; bench "3 brokers, RF 3, 3 partitions, $d" "$ADDR"
   if [[ $d == fsync ]]; then e2e "3 brokers, RF 3, $d" "$ADDR"; fi
   stop_all
+  if [[ $d == fsync ]]; then start_cluster "$d"; flow "3 brokers, RF 3, $d" "$ADDR"; stop_all; fi
 done
 
 {
@@ -116,5 +134,17 @@ done
   echo "| topology | unloaded push p50 / commit p50 | unloaded poll p50 / push p50 | 1000/s poll p99 / push p99 |"
   echo "|---|---|---|---|"
   printf '%s\n' "${RATIOS[@]}"
+  echo
+  echo "## Flow control"
+  echo
+  echo "\`courier-bench flow --scenario slow|overload|burst|burst-poll\` on a fresh 3-broker cluster"
+  echo "(fsync). Workers are streams stating their credit and spending a fixed time per job,"
+  echo "so their combined capacity is known; yields and pushes are read from the brokers'"
+  echo "/metrics. Slow: ${FLOW} s with a backlog always waiting. Overload: ${FLOW} s of creation"
+  echo "at 5 times capacity, then the drain. Burst: ${BURST} jobs with no worker, then 10 workers."
+  echo
+  echo "| topology | scenario | outcome | bounds | notes | yields / pushes | gateway RSS max |"
+  echo "|---|---|---|---|---|---|---|"
+  printf '%s\n' "${FLOWS[@]}"
 } > benchmarks/RESULTS.md
 cat benchmarks/RESULTS.md

@@ -6,11 +6,13 @@
 //!   the moment each create was due, so a stalled cluster cannot hide its queue).
 //! - `e2e`: create-to-handler latency with streaming (push) or long-polling workers,
 //!   unloaded or at a fixed rate.
+//! - `flow`: flow-control scenarios (slow workers, overload, burst by push or poll).
 //! - `fsync-probe`: the disk's fdatasync latency, for the machine line of a report.
 //!
 //! Results print as one markdown table row and, with `--json`, as JSON.
 
 mod e2e;
+mod flow;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -32,6 +34,8 @@ enum Cmd {
     Create(CreateArgs),
     /// Create-to-handler latency, push or poll.
     E2e(e2e::E2eArgs),
+    /// Flow-control scenarios: slow workers, overload, burst.
+    Flow(flow::FlowArgs),
     /// fdatasync latency of the disk holding DIR.
     FsyncProbe {
         #[arg(long, default_value = ".")]
@@ -251,6 +255,7 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
         Cmd::Create(a) => create(a).await,
         Cmd::E2e(a) => e2e::run(a).await,
+        Cmd::Flow(a) => flow::run(a).await,
         Cmd::FsyncProbe { dir, samples } => fsync_probe(&dir, samples),
     }
 }
