@@ -46,7 +46,6 @@ pub struct FlowArgs {
 
 /// A worker: a stream with `credit`, `work` per job; counts what it holds.
 struct Worker {
-    held: Arc<AtomicUsize>,
     max_held: Arc<AtomicUsize>,
     done: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
