@@ -94,7 +94,6 @@ async fn stream_worker(
         }
     });
     Ok(Worker {
-        held,
         max_held,
         done,
         task,
@@ -137,7 +136,6 @@ fn poll_worker(job_type: &str, credit: usize, work: Duration, client: Client) ->
         }
     });
     Worker {
-        held,
         max_held,
         done,
         task,
