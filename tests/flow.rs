@@ -7,13 +7,12 @@
 
 mod common;
 
-use common::{serial, wait_until, Cluster, ClusterOpts};
+use common::{all_gone, serial, wait_until, Cluster, ClusterOpts};
 use courier_client::{Client, NewJob};
 use courier_proto::gateway_protocol::{gateway_client::GatewayClient, StreamActivatedJobsRequest};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tonic::Code;
 
 /// A streaming worker that states its credit and handles each job for `work`.
 struct Worker {
@@ -95,16 +94,6 @@ async fn create(c: &Client, job_type: &str, n: usize) -> Vec<i64> {
         );
     }
     keys
-}
-
-async fn all_gone(c: &Client, keys: &[i64]) -> bool {
-    for k in keys.iter().rev() {
-        match c.get_job(*k).await {
-            Err(e) if e.code() == Some(Code::NotFound) => {}
-            _ => return false,
-        }
-    }
-    true
 }
 
 async fn yields_and_pushes(cluster: &Cluster) -> (f64, f64) {

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{serial, wait_until, Cluster, ClusterOpts};
+use common::{all_gone, serial, wait_until, Cluster, ClusterOpts};
 use courier_client::{Client, NewJob};
 use courier_proto::gateway_protocol::{
     gateway_client::GatewayClient, ActivatedJob, StreamActivatedJobsRequest,
@@ -15,7 +15,6 @@ use courier_proto::gateway_protocol::{
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tonic::Code;
 
 /// Opens a job stream on the gateway at `addr`.
 async fn open_stream(
@@ -67,16 +66,6 @@ fn completing_worker(
         }
     });
     (got, task)
-}
-
-async fn all_gone(c: &Client, keys: &[i64]) -> bool {
-    for k in keys {
-        match c.get_job(*k).await {
-            Err(e) if e.code() == Some(Code::NotFound) => {}
-            _ => return false,
-        }
-    }
-    true
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

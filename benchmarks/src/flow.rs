@@ -82,15 +82,7 @@ async fn stream_worker(
     let (h, m, d) = (held.clone(), max_held.clone(), done.clone());
     let task = tokio::spawn(async move {
         while let Ok(Some(job)) = stream.message().await {
-            m.fetch_max(h.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
-            let (c, h, d) = (client.clone(), h.clone(), d.clone());
-            tokio::spawn(async move {
-                tokio::time::sleep(work).await;
-                h.fetch_sub(1, Ordering::SeqCst);
-                if c.complete_job(job.key, "").await.is_ok() {
-                    d.fetch_add(1, Ordering::SeqCst);
-                }
-            });
+            handle(job.key, work, &client, &h, &m, &d);
         }
     });
     Ok(Worker {
@@ -98,6 +90,28 @@ async fn stream_worker(
         done,
         task,
     })
+}
+
+/// Holds a job for `work`, then completes it, keeping the worker's counts.
+fn handle(
+    key: i64,
+    work: Duration,
+    client: &Client,
+    held: &Arc<AtomicUsize>,
+    max_held: &AtomicUsize,
+    done: &Arc<AtomicU64>,
+) {
+    max_held.fetch_max(held.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+    let (c, h, d) = (client.clone(), held.clone(), done.clone());
+    tokio::spawn(async move {
+        tokio::time::sleep(work).await;
+        // Held until the completion is sent: the gateway frees the credit as soon
+        // as the broker confirms it.
+        h.fetch_sub(1, Ordering::SeqCst);
+        if c.complete_job(key, "").await.is_ok() {
+            d.fetch_add(1, Ordering::SeqCst);
+        }
+    });
 }
 
 /// A long-polling worker with the same accounting (for the burst comparison).
@@ -123,15 +137,7 @@ fn poll_worker(job_type: &str, credit: usize, work: Duration, client: Client) ->
                 continue;
             };
             for job in jobs {
-                m.fetch_max(h.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
-                let (c, h, d) = (client.clone(), h.clone(), d.clone());
-                tokio::spawn(async move {
-                    tokio::time::sleep(work).await;
-                    h.fetch_sub(1, Ordering::SeqCst);
-                    if c.complete_job(job.key, "").await.is_ok() {
-                        d.fetch_add(1, Ordering::SeqCst);
-                    }
-                });
+                handle(job.key, work, &client, &h, &m, &d);
             }
         }
     });

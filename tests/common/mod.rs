@@ -440,6 +440,17 @@ pub async fn metric(addr: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// Whether every job of `keys` is gone (completed or canceled): NOT_FOUND for each.
+pub async fn all_gone(c: &Client, keys: &[i64]) -> bool {
+    for k in keys.iter().rev() {
+        match c.get_job(*k).await {
+            Err(e) if e.code() == Some(tonic::Code::NotFound) => {}
+            _ => return false,
+        }
+    }
+    true
+}
+
 /// Whether a path exists (for snapshot files).
 pub fn exists(p: &Path) -> bool {
     p.exists()

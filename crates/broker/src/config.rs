@@ -34,9 +34,11 @@ pub struct RaftTuning {
 impl Default for RaftTuning {
     fn default() -> Self {
         RaftTuning {
-            heartbeat_ms: 100,
-            election_timeout_min_ms: 500,
-            election_timeout_max_ms: 1000,
+            // Also openraft 0.9's AppendEntries timeout: a loaded follower on 2 cores
+            // (decode, fsync, answer) must fit, or replication retries forever.
+            heartbeat_ms: 150,
+            election_timeout_min_ms: 450,
+            election_timeout_max_ms: 900,
             snapshot_every: 20_000,
             keep_after_snapshot: 1000,
         }
@@ -86,7 +88,9 @@ impl BrokerConfig {
             election_timeout_min: self.raft.election_timeout_min_ms,
             election_timeout_max: self.raft.election_timeout_max_ms,
             install_snapshot_timeout: 5_000,
-            max_payload_entries: 64,
+            // Entries are batches of up to ~1 MiB: a few per AppendEntries keeps one
+            // well inside its timeout (the heartbeat interval).
+            max_payload_entries: 4,
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(self.raft.snapshot_every),
             max_in_snapshot_log_to_keep: self.raft.keep_after_snapshot,
             ..Default::default()

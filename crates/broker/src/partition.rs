@@ -27,6 +27,9 @@ use tracing::Instrument;
 
 /// Most commands in one log entry.
 const MAX_BATCH: usize = 2048;
+/// About the most bytes of commands in one log entry: an entry must replicate
+/// well inside the AppendEntries timeout.
+const MAX_BATCH_BYTES: usize = 1024 * 1024;
 /// Commands that may wait for the proposer before callers get RESOURCE_EXHAUSTED.
 const QUEUE_CAPACITY: usize = 20_000;
 /// Entries a partition may have in flight at once.
@@ -50,6 +53,35 @@ pub fn now_ms() -> i64 {
 struct Proposal {
     cmd: LogCommand,
     reply: oneshot::Sender<Result<Reply, BrokerError>>,
+}
+
+/// A command's approximate size in a log entry: its documents dominate.
+fn approx_bytes(cmd: &LogCommand) -> usize {
+    use courier_proto::domain::Command;
+    match cmd {
+        LogCommand::Client {
+            cmd: Command::Create(jobs),
+            ..
+        } => jobs
+            .iter()
+            .map(|j| j.variables.len() + j.custom_headers.len() + 128)
+            .sum(),
+        LogCommand::Client {
+            cmd:
+                Command::Complete {
+                    variables: Some(v), ..
+                }
+                | Command::Fail {
+                    variables: Some(v), ..
+                }
+                | Command::ThrowError {
+                    variables: Some(v), ..
+                },
+            ..
+        } => v.len() + 128,
+        LogCommand::TimeOut { keys, .. } | LogCommand::Recur { keys, .. } => keys.len() * 24 + 128,
+        _ => 128,
+    }
 }
 
 /// Notices to gateways, fanned out to every link of this broker.
@@ -235,23 +267,32 @@ async fn run_proposer(
 ) {
     let mut inflight = FuturesUnordered::new();
     let mut pending: Vec<Proposal> = Vec::new();
+    let mut pending_bytes = 0usize;
     loop {
+        let room = pending.len() < MAX_BATCH && pending_bytes < MAX_BATCH_BYTES;
         tokio::select! {
             _ = shutdown.cancelled() => break,
             Some(()) = inflight.next(), if !inflight.is_empty() => {}
-            msg = rx.recv(), if pending.len() < MAX_BATCH => match msg {
-                Some(m) => pending.push(m),
+            msg = rx.recv(), if room => match msg {
+                Some(m) => {
+                    pending_bytes += approx_bytes(&m.cmd);
+                    pending.push(m);
+                }
                 None => break,
             },
         }
-        while pending.len() < MAX_BATCH {
+        while pending.len() < MAX_BATCH && pending_bytes < MAX_BATCH_BYTES {
             match rx.try_recv() {
-                Ok(m) => pending.push(m),
+                Ok(m) => {
+                    pending_bytes += approx_bytes(&m.cmd);
+                    pending.push(m);
+                }
                 Err(_) => break,
             }
         }
         if !pending.is_empty() && inflight.len() < MAX_INFLIGHT {
             let batch = std::mem::take(&mut pending);
+            pending_bytes = 0;
             inflight.push(write(p.clone(), batch));
         }
     }
