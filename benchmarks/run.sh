@@ -6,14 +6,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
-DURATION=10; WARMUP=2; FLOW=20; BURST=50000
-if [[ "${1:-}" == "--quick" ]]; then DURATION=3; WARMUP=1; FLOW=5; BURST=5000; fi
+DURATION=10; WARMUP=2; FLOW=20; BURST=50000; MODES=(fsync replicated); QUICK=
+# --quick: the 3-broker cluster in fsync mode only, short rows and scenarios.
+if [[ "${1:-}" == "--quick" ]]; then DURATION=2; WARMUP=1; FLOW=4; BURST=2000; MODES=(fsync); QUICK=1; fi
 
 cargo build --release -p courier-cli -p courier-bench
 BIN=target/release
 WORK=$(mktemp -d)
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  bash benchmarks/jetstream.sh stop "$WORK/jetstream" 2>/dev/null || true
+  wait 2>/dev/null || true; rm -rf "$WORK"
+}
 trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -76,6 +81,45 @@ start_cluster() { # durability
   wait_ready "127.0.0.1:$gw"; ADDR="127.0.0.1:$gw"
 }
 
+# The peer: NATS JetStream R3 (benchmarks/jetstream.sh), started beside the Courier
+# cluster at ADDR for these rows only. Each scenario runs on both, the order of arms
+# alternating from one scenario to the next (C J, J C, C J, J C), so a drift in machine
+# speed does not favour one side. Courier rows carry the ratio Courier / JetStream.
+PEER=()
+vs() { # courier-row jetstream-row -> "p50 ratio | p99 ratio"
+  awk -v a="$(col "$1" 4)" -v b="$(col "$2" 4)" -v c="$(col "$1" 5)" -v d="$(col "$2" 5)" \
+    'BEGIN{printf "%.2f | %.2f", (b>0?a/b:0), (d>0?c/d:0)}'
+}
+peer() { # label address
+  local servers c j i=0 s
+  servers=$(bash benchmarks/jetstream.sh start "$WORK/jetstream")
+  local cc=("$BIN/courier-bench" e2e --address "$2" --label "$1" --mode push --duration "$DURATION" --warmup "$WARMUP")
+  local jj=("$BIN/courier-bench" jetstream --servers "$servers" --duration "$DURATION" --warmup "$WARMUP")
+  local scenarios=(commit unloaded 1000 5000)
+  [[ -n $QUICK ]] && scenarios=(commit unloaded 1000)
+  for s in "${scenarios[@]}"; do
+    local ca=() ja=()
+    case $s in
+      commit) ca=(--commit); ja=(--publish-only) ;;
+      unloaded) ;;
+      *) ca=(--workers 8 --rate "$s"); ja=(--workers 8 --rate "$s") ;;
+    esac
+    if (( i % 2 == 0 )); then c=$(peer_courier "$1" "$2" "${ca[@]}"); j=$("${jj[@]}" "${ja[@]}")
+    else j=$("${jj[@]}" "${ja[@]}"); c=$(peer_courier "$1" "$2" "${ca[@]}"); fi
+    PEER+=("$c $(vs "$c" "$j") |" "$j - | - |")
+    i=$((i+1))
+  done
+  bash benchmarks/jetstream.sh stop "$WORK/jetstream"
+}
+peer_courier() { # label address [--commit | e2e args...]
+  if [[ ${3:-} == --commit ]]; then
+    "$BIN/courier-bench" create --address "$2" --label "$1" --concurrency 1 --duration "$DURATION" --warmup "$WARMUP" \
+      | sed 's/closed loop x1/create acknowledged (one commit), 1 at a time/'
+  else
+    "$BIN/courier-bench" e2e --address "$2" --label "$1" --mode push --duration "$DURATION" --warmup "$WARMUP" "${@:3}"
+  fi
+}
+
 FLOWS=()
 flow() { # label address
   local f=("$BIN/courier-bench" flow --address "$2" --label "$1" --gateway-metrics "$GMETRICS" --broker-metrics "$BMETRICS" --duration "$FLOW" --burst "$BURST")
@@ -93,12 +137,15 @@ flow() { # label address
 # start_* set ADDR rather than print it: a $(...) subshell would lose PIDS, and the
 # processes would outlive the script.
 FSYNC=$("$BIN/courier-bench" fsync-probe --dir "$WORK")
-for d in fsync replicated; do
-  start_dev "$d"; bench "courier dev (1 broker, 2 partitions), $d" "$ADDR"
-  if [[ $d == fsync ]]; then e2e "courier dev, $d" "$ADDR"; fi
-  stop_all
+for d in "${MODES[@]}"; do
+  if [[ -z $QUICK ]]; then
+    start_dev "$d"; bench "courier dev (1 broker, 2 partitions), $d" "$ADDR"
+    if [[ $d == fsync ]]; then e2e "courier dev, $d" "$ADDR"; fi
+    stop_all
+  fi
   start_cluster "$d"; bench "3 brokers, RF 3, 3 partitions, $d" "$ADDR"
   if [[ $d == fsync ]]; then e2e "3 brokers, RF 3, $d" "$ADDR"; fi
+  peer "3 brokers, RF 3, $d" "$ADDR"
   stop_all
   if [[ $d == fsync ]]; then start_cluster "$d"; flow "3 brokers, RF 3, $d" "$ADDR"; stop_all; fi
 done
@@ -134,6 +181,27 @@ done
   echo "| topology | unloaded push p50 / commit p50 | unloaded poll p50 / push p50 | 1000/s poll p99 / push p99 |"
   echo "|---|---|---|---|"
   printf '%s\n' "${RATIOS[@]}"
+  echo
+  echo "## Against NATS JetStream (the peer)"
+  echo
+  echo "The peer: Debian's \`$(nats-server --version 2>/dev/null || /usr/sbin/nats-server --version)\`, 3 nodes on loopback"
+  echo "(\`bash benchmarks/jetstream.sh start DIR\`); a fresh stream per row with 3 replicas and file"
+  echo "storage (JetStream's default: replicated to a majority, no fsync per message), work-queue"
+  echo "retention (acked messages are deleted, as completed jobs are), a durable push consumer with"
+  echo "explicit ack, max_ack_pending 32 (Courier's worker credit) and a deliver group shared by the"
+  echo "workers. The consumer's leader is moved onto the stream leader's server and the clients"
+  echo "connect there: JetStream's best case, the same from run to run. Driven by"
+  echo "\`courier-bench jetstream --servers URLS [--publish-only] [--workers 8 --rate R]\`: same payload"
+  echo "(the creation time in µs plus padding, as Courier's variables), same rates, same histogram"
+  echo "code as \`e2e --mode push\`; the handler records its latency, then acks. The commit rows:"
+  echo "Courier's create acknowledged against JetStream's publish acknowledged (PubAck), one at a"
+  echo "time. Both systems run during every row; the order of arms alternates. Ratio = Courier /"
+  echo "JetStream, below 1 Courier is faster. Targets: replicated no worse (<= 1.00) on p50 and p99 at"
+  echo "1,000 and 5,000 jobs/s; fsync within 1.30."
+  echo
+  echo "| topology | scenario | p50 ms | p99 ms | p99.9 ms | max ms | jobs/s | errors | p50 / JetStream | p99 / JetStream |"
+  echo "|---|---|---|---|---|---|---|---|---|---|"
+  printf '%s\n' "${PEER[@]}"
   echo
   echo "## Flow control"
   echo

@@ -6,6 +6,8 @@
 //!   the moment each create was due, so a stalled cluster cannot hide its queue).
 //! - `e2e`: create-to-handler latency with streaming (push) or long-polling workers,
 //!   unloaded or at a fixed rate.
+//! - `jetstream`: the same create-to-handler scenarios against NATS JetStream (R3,
+//!   durable push consumer, explicit ack), the peer Courier is measured against.
 //! - `flow`: flow-control scenarios (slow workers, overload, burst by push or poll).
 //! - `fsync-probe`: the disk's fdatasync latency, for the machine line of a report.
 //!
@@ -13,6 +15,7 @@
 
 mod e2e;
 mod flow;
+mod jetstream;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -36,6 +39,8 @@ enum Cmd {
     E2e(e2e::E2eArgs),
     /// Flow-control scenarios: slow workers, overload, burst.
     Flow(flow::FlowArgs),
+    /// The peer: NATS JetStream create-to-handler (or publish) latency, as `e2e`.
+    Jetstream(jetstream::JetStreamArgs),
     /// fdatasync latency of the disk holding DIR.
     FsyncProbe {
         #[arg(long, default_value = ".")]
@@ -256,6 +261,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Create(a) => create(a).await,
         Cmd::E2e(a) => e2e::run(a).await,
         Cmd::Flow(a) => flow::run(a).await,
+        Cmd::Jetstream(a) => jetstream::run(a).await,
         Cmd::FsyncProbe { dir, samples } => fsync_probe(&dir, samples),
     }
 }
