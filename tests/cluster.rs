@@ -459,3 +459,41 @@ async fn brokers_and_the_gateway_stop_cleanly_on_sigterm() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_restarted_on_new_addresses_keeps_its_jobs() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let mut keys = Vec::new();
+    for _ in 0..30 {
+        keys.push(
+            c.create_job(NewJob::new("moved"))
+                .await
+                .expect("create")
+                .key,
+        );
+    }
+    for id in 1..=3 {
+        assert!(cluster.terminate_broker(id, Duration::from_secs(10)));
+    }
+    assert!(cluster.terminate_gateway(Duration::from_secs(10)));
+    // The Raft membership on disk names the old addresses; the configuration wins.
+    cluster.move_to_new_ports();
+    for id in 1..=3 {
+        cluster.start_broker(id);
+    }
+    cluster.start_gateway(0);
+    cluster.wait_for_leaders(Duration::from_secs(20)).await;
+    let c = cluster.client();
+    // Replication works: new jobs commit (a majority is reachable) and old ones are there.
+    keys.push(
+        c.create_job(NewJob::new("moved"))
+            .await
+            .expect("create after the move")
+            .key,
+    );
+    let got = activate_n(&c, poll("moved", 100), keys.len(), Duration::from_secs(20)).await;
+    let got: BTreeSet<i64> = got.into_iter().collect();
+    assert_eq!(got, keys.iter().copied().collect::<BTreeSet<_>>());
+}

@@ -266,6 +266,17 @@ impl Cluster {
         total
     }
 
+    /// Every broker and gateway moves to new ports (their data stays): like a
+    /// restarted `courier dev`, whose brokers take free ports each time.
+    pub fn move_to_new_ports(&mut self) {
+        for id in self.broker_addrs.clone().keys() {
+            self.broker_addrs
+                .insert(*id, format!("127.0.0.1:{}", free_port()));
+            self.broker_metrics
+                .insert(*id, format!("127.0.0.1:{}", free_port()));
+        }
+    }
+
     pub fn kill_broker(&mut self, id: u64) {
         if let Some(p) = self.brokers.get_mut(&id) {
             p.kill();

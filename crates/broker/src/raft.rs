@@ -89,7 +89,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             target,
             client: self
                 .peers
-                .get(&node.addr)
+                .get(self.addrs.get(&target).unwrap_or(&node.addr))
                 .map(RaftClient::new)
                 .map_err(Arc::new),
         }
