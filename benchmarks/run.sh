@@ -63,7 +63,7 @@ start_dev() { # durability
   wait_ready "127.0.0.1:$gw"; ADDR="127.0.0.1:$gw"
 }
 
-start_cluster() { # durability
+start_cluster() { # durability [data-dir tag: a fresh cluster per tag]
   local p1 p2 p3 gw peers
   p1=$(free_port); p2=$(free_port); p3=$(free_port); gw=$(free_port)
   peers="1=127.0.0.1:$p1,2=127.0.0.1:$p2,3=127.0.0.1:$p3"
@@ -72,7 +72,7 @@ start_cluster() { # durability
   for p in $p1 $p2 $p3; do
     m="127.0.0.1:$(free_port)"; BMETRICS="$BMETRICS${BMETRICS:+,}$m"
     "$BIN/courier" broker --node-id $i --addr "127.0.0.1:$p" --peers "$peers" --partitions 3 \
-      --replication-factor 3 --durability "$1" --data-dir "$WORK/c-$1-$i" --metrics-addr "$m" >"$WORK/broker-$1-$i.log" 2>&1 &
+      --replication-factor 3 --durability "$1" --data-dir "$WORK/c-$1${2:-}-$i" --metrics-addr "$m" >"$WORK/broker-$1-$i.log" 2>&1 &
     PIDS+=($!); i=$((i+1))
   done
   GMETRICS="127.0.0.1:$(free_port)"
@@ -147,7 +147,7 @@ for d in "${MODES[@]}"; do
   if [[ $d == fsync ]]; then e2e "3 brokers, RF 3, $d" "$ADDR"; fi
   peer "3 brokers, RF 3, $d" "$ADDR"
   stop_all
-  if [[ $d == fsync ]]; then start_cluster "$d"; flow "3 brokers, RF 3, $d" "$ADDR"; stop_all; fi
+  if [[ $d == fsync ]]; then start_cluster "$d" -flow; flow "3 brokers, RF 3, $d" "$ADDR"; stop_all; fi
 done
 
 {

@@ -253,7 +253,9 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
 
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
         SnapshotBuilder {
-            shared: self.shared.clone(),
+            db: self.db.clone(),
+            jobs: self.jobs.clone(),
+            meta: self.meta.clone(),
             snapshot: self.snapshot.clone(),
             path: self.snapshot_path.clone(),
         }
@@ -318,32 +320,56 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     }
 }
 
-/// Builds snapshots from the shared applied state.
+/// Builds snapshots from a point-in-time fjall snapshot of the stored state, so
+/// building never holds the state lock: apply (and so every commit) goes on while
+/// a large state is written out. Jobs and last-applied are stored in one atomic
+/// batch, so what the fjall snapshot sees is one consistent applied state.
 pub struct SnapshotBuilder {
-    shared: Arc<SharedState>,
+    db: Db,
+    jobs: Keyspace,
+    meta: Keyspace,
     snapshot: Arc<Mutex<Option<StoredSnapshot>>>,
     path: PathBuf,
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
-        let (meta, data) = {
-            let a = self.shared.read();
-            let data = serde_json::to_vec(&SnapshotData {
-                counters: a.state.counters().clone(),
-                jobs: a.state.jobs().cloned().collect(),
-            })
-            .map_err(write_err)?;
-            let id = match a.last_applied {
-                Some(l) => format!("{}-{}-{}", l.leader_id, l.index, data.len()),
-                None => format!("none-{}", data.len()),
-            };
-            let meta = SnapshotMeta {
-                last_log_id: a.last_applied,
-                last_membership: a.membership.clone(),
-                snapshot_id: id,
-            };
-            (meta, data)
+        use fjall::Readable;
+        let view = self.db.database().snapshot();
+        let get = |k: &[u8]| view.get(&self.meta, k).map_err(read_err);
+        let last_applied: Option<LogId<NodeId>> = match get(APPLIED)? {
+            Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
+            None => None,
+        };
+        let last_membership = match get(MEMBERSHIP)? {
+            Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
+            None => StoredMembership::default(),
+        };
+        let counters = match get(COUNTERS)? {
+            Some(v) => v.to_vec(),
+            None => serde_json::to_vec(&Counters::default()).map_err(write_err)?,
+        };
+        // The SnapshotData JSON, assembled from the stored job documents as they are.
+        let mut data = Vec::with_capacity(64 * 1024);
+        data.extend_from_slice(b"{\"counters\":");
+        data.extend_from_slice(&counters);
+        data.extend_from_slice(b",\"jobs\":[");
+        for (i, g) in view.iter(&self.jobs).enumerate() {
+            let (_, v) = g.into_inner().map_err(read_err)?;
+            if i > 0 {
+                data.push(b',');
+            }
+            data.extend_from_slice(&v);
+        }
+        data.extend_from_slice(b"]}");
+        let id = match last_applied {
+            Some(l) => format!("{}-{}-{}", l.leader_id, l.index, data.len()),
+            None => format!("none-{}", data.len()),
+        };
+        let meta = SnapshotMeta {
+            last_log_id: last_applied,
+            last_membership,
+            snapshot_id: id,
         };
         let stored = StoredSnapshot {
             meta: meta.clone(),
