@@ -288,8 +288,10 @@ impl JobStreamRegistry {
         }
     }
 
-    /// A gateway reported a stream's credit. True when the stream had no credit left
-    /// and now has some: its backlog can be back-filled.
+    /// A gateway reported a stream's credit. True when this broker may now push more
+    /// than before: jobs that waited for credit can be back-filled. (Any increase, not
+    /// only from none: jobs can wait while a little credit is left, when a command
+    /// needed more than there was.)
     pub fn report_credit(&self, link: u64, stream_id: u64, share: u64, received: u64) -> bool {
         let r = Recipient { link, stream_id };
         let mut c = self.credits.entry(r).or_default();
@@ -297,7 +299,7 @@ impl JobStreamRegistry {
         c.share = share;
         // Reports can overtake nothing on one link, but be safe with stale ones.
         c.received = c.received.max(received);
-        before == 0 && c.available() > 0
+        c.available() > before
     }
 
     /// Every recipient of the logical stream with these properties, starting after
@@ -458,7 +460,7 @@ mod tests {
         assert_eq!(reg.lookup("a", DEFAULT_TENANT, 9).map(|t| t.max), Some(2));
         // 5 sent; the gateway saw 4 of them and has 1 free of its share 2: 1 push is
         // on its way, so nothing is free here.
-        assert!(!reg.report_credit(l.id, 1, 1, 4));
+        assert!(!reg.report_credit(l.id, 1, 1, 4), "no more than before");
         assert!(reg.lookup("a", DEFAULT_TENANT, 1).is_none());
         // It saw all 5 and 3 finished: 3 free, after none.
         assert!(

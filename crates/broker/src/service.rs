@@ -205,7 +205,7 @@ fn on_gateway_message(
         Some(gateway_message::Kind::Credit(c)) => {
             let fresh = registry.report_credit(link.id, c.stream_id, u64::from(c.free), c.received);
             if fresh {
-                // Credit after none: the backlog that waited for it goes now.
+                // More credit: the backlog that waited for it goes now.
                 if let Some(props) = registry.props_of(link.id, c.stream_id) {
                     for p in partitions.values() {
                         p.backfill(props.clone());
