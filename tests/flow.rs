@@ -154,12 +154,11 @@ async fn slow_and_fast_workers_each_hold_at_most_their_credit() {
     );
     let (yields, pushes) = yields_and_pushes(&cluster).await;
     eprintln!("{yields} yields for {pushes} pushes");
-    // Credit is re-split between the brokers as it is released, so a broker can be
-    // granted a slot another broker's push is already on its way to: rare refusals
-    // (the overload scenario holds the 1% bound; grants that stay with a broker until
-    // used would remove these too).
+    // Credit is re-split between the brokers as it is released, so a broker can push
+    // on a share another broker's pushes have overtaken; the stream's spare room
+    // takes those pushes instead of refusing them.
     assert!(
-        yields <= pushes * 0.05,
+        yields <= pushes * 0.01,
         "{yields} yields for {pushes} pushes"
     );
 }
@@ -203,9 +202,11 @@ async fn overload_stays_bounded_and_drains_without_a_yield_storm() {
         let in_flight = cluster
             .gateway_metric(0, "courier_gateway_inflight_jobs")
             .await;
+        // 16 credits, plus the stream's spare room (50% of the credit by default)
+        // and as much again for pushes made on a stale share.
         assert!(
-            in_flight <= 16.0,
-            "the gateway holds {in_flight} jobs for 16 credits"
+            in_flight <= 32.0,
+            "the gateway holds {in_flight} jobs for 16 credits and 8 spare places"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -18,7 +18,6 @@ use futures::StreamExt;
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::ServerState;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{broadcast, mpsc, oneshot, Notify};
@@ -36,8 +35,9 @@ const QUEUE_CAPACITY: usize = 20_000;
 const MAX_INFLIGHT: usize = 2;
 /// Most timed-out or recurring jobs handled in one command.
 const MAX_TIMER_KEYS: usize = 1000;
-/// Jobs pushed per back-fill round; the next round starts once these are answered.
-const BACKFILL_BATCH: u32 = 32;
+/// Most jobs pushed per back-fill round (one log entry); a round is also bounded by
+/// the stream's free credit.
+const BACKFILL_BATCH: u32 = 512;
 /// Yields wait this long (plus up to as much again, at random) to be proposed
 /// together: refused pushes never turn into a burst of log writes.
 const YIELD_PACE: Duration = Duration::from_millis(10);
@@ -96,15 +96,6 @@ pub struct Partition {
     proposals: mpsc::Sender<Proposal>,
     registry: Arc<JobStreamRegistry>,
     notices: Notices,
-    /// Pushes sent and not yet answered; back-fill waits for them to settle.
-    pushes_inflight: AtomicUsize,
-    /// Pushes every recipient refused, ever; back-fill stops when it grows.
-    pushes_refused: AtomicU64,
-    push_settled: Notify,
-    /// Streams (by properties) this partition is back-filling now, so a stream
-    /// registered on several links gets one back-fill, not one per link. `true`:
-    /// asked again while running (the stream has room again), so run once more.
-    backfilling: Mutex<BTreeMap<String, bool>>,
     /// Jobs this leader pushed and a gateway took: key -> (link, lease), so the end
     /// of their activation can free the credit on that gateway. Leader-local.
     pushed: dashmap::DashMap<JobKey, (u64, u64)>,
@@ -136,10 +127,6 @@ impl Partition {
             proposals: tx,
             registry,
             notices,
-            pushes_inflight: AtomicUsize::new(0),
-            pushes_refused: AtomicU64::new(0),
-            push_settled: Notify::new(),
-            backfilling: Mutex::new(BTreeMap::new()),
             pushed: dashmap::DashMap::new(),
             yields: Mutex::new(Vec::new()),
             yield_wake: Notify::new(),
@@ -205,23 +192,37 @@ impl Partition {
             .collect()
     }
 
-    /// Replicates `cmd` and answers once it is committed and applied.
+    /// Replicates `cmd` and answers once it is committed and applied. Credit held
+    /// for its push targets goes back if it is never proposed.
     pub async fn propose(&self, cmd: LogCommand) -> Result<Reply, BrokerError> {
-        self.check_leader()?;
+        if let Err(e) = self.check_leader() {
+            self.refund_targets(&cmd);
+            return Err(e);
+        }
         let (tx, rx) = oneshot::channel();
         self.proposals
             .try_send(Proposal { cmd, reply: tx })
             .map_err(|e| match e {
-                mpsc::error::TrySendError::Full(_) => {
+                mpsc::error::TrySendError::Full(p) => {
+                    self.refund_targets(&p.cmd);
                     metrics::REJECTED.with_label_values(&["queue_full"]).inc();
                     BrokerError::ResourceExhausted(format!(
                         "partition {} has {QUEUE_CAPACITY} commands waiting; retry later",
                         self.id
                     ))
                 }
-                mpsc::error::TrySendError::Closed(_) => self.stopping(),
+                mpsc::error::TrySendError::Closed(p) => {
+                    self.refund_targets(&p.cmd);
+                    self.stopping()
+                }
             })?;
         rx.await.map_err(|_| self.stopping())?
+    }
+
+    fn refund_targets(&self, cmd: &LogCommand) {
+        for t in targets_of(cmd) {
+            self.registry.refund(&t.recipient, u64::from(t.max));
+        }
     }
 
     /// Reads a job from the leader's applied state.
@@ -350,6 +351,10 @@ async fn write(p: Arc<Partition>, batch: Vec<Proposal>) {
                     p.id
                 )),
             };
+            // Nothing was pushed: the credit held for the entry goes back.
+            for (r, n) in held {
+                p.registry.refund(&r, n);
+            }
             metrics::REJECTED
                 .with_label_values(&["not_committed"])
                 .inc();
@@ -386,7 +391,6 @@ fn carry_out(p: &Arc<Partition>, effects: Vec<Effect>, proposed: Option<Instant>
                 });
             }
             Effect::Push(push) => {
-                p.pushes_inflight.fetch_add(1, Ordering::Relaxed);
                 if push.origin == PushOrigin::Backfill {
                     metrics::BACKFILLED.inc();
                 }
@@ -461,11 +465,7 @@ async fn run_push(p: Arc<Partition>, push: Push, created: Option<Instant>) {
         }
     }
     if refused {
-        p.pushes_refused.fetch_add(1, Ordering::Relaxed);
         p.queue_yield(key, lease, deadline);
-    }
-    if p.pushes_inflight.fetch_sub(1, Ordering::Relaxed) == 1 {
-        p.push_settled.notify_waiters();
     }
 }
 
@@ -479,88 +479,38 @@ impl Partition {
         self.yield_wake.notify_one();
     }
 
-    /// A stream with these properties became available: if this replica leads, push
-    /// it the backlog of its type in bounded rounds, each waiting for the previous
-    /// round's answers, until the backlog is empty, the stream is gone, or a push is
-    /// refused (the stream is full; the rest waits for polls or for room).
+    /// A stream with these properties has free credit (it registered, or a gateway
+    /// reported more): if this replica leads and has a backlog of its type, propose one
+    /// back-fill round for it, sized to the smaller of the backlog and the credit free
+    /// now. The round holds that credit from now until its pushes are made (what apply
+    /// does not use goes back), so rounds never promise more than a gateway reported,
+    /// and a round need not wait for an earlier one: every credit report can start one,
+    /// and the proposer puts the rounds waiting together into one log entry. A backlog
+    /// larger than the credit goes as more credit is reported.
     pub fn backfill(self: &Arc<Self>, props: ActivationProps) {
-        if !self.is_leader() {
+        if self.shutdown.is_cancelled() || !self.is_leader() {
             return;
         }
-        let id = format!("{props:?}");
-        {
-            let mut running = self.backfilling.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(again) = running.get_mut(&id) {
-                *again = true;
-                return;
-            }
-            running.insert(id.clone(), false);
+        let backlog = self
+            .shared
+            .read()
+            .state
+            .activatable_count(&props.job_type, &props.tenant_ids);
+        let want = u32::try_from(backlog)
+            .unwrap_or(u32::MAX)
+            .min(BACKFILL_BATCH);
+        if want == 0 {
+            return;
         }
+        let Some(target) = self.registry.target_for(&props, want) else {
+            return;
+        };
         let p = self.clone();
         tokio::spawn(async move {
-            loop {
-                p.run_backfill(&props).await;
-                let mut running = p.backfilling.lock().unwrap_or_else(|e| e.into_inner());
-                match running.get_mut(&id) {
-                    Some(again) if *again => *again = false,
-                    _ => {
-                        running.remove(&id);
-                        return;
-                    }
-                }
+            if let Err(e) = p.propose(LogCommand::Backfill { target }).await {
+                tracing::debug!(error = %e, "back-fill round not applied");
             }
         });
-    }
-
-    async fn run_backfill(&self, props: &ActivationProps) {
-        loop {
-            if self.shutdown.is_cancelled() || !self.is_leader() {
-                return;
-            }
-            // Pushes still out may end in yields (a push task yields before it
-            // counts as done): those jobs are this round's backlog too.
-            self.settle().await;
-            if !self
-                .shared
-                .read()
-                .state
-                .has_activatable(&props.job_type, &props.tenant_ids)
-            {
-                return;
-            }
-            let Some(target) = self.registry.target_for(props, BACKFILL_BATCH) else {
-                return;
-            };
-            let refused_before = self.pushes_refused.load(Ordering::Relaxed);
-            if self.propose(LogCommand::Backfill { target }).await.is_err() {
-                return;
-            }
-            self.settle().await;
-            if self.pushes_refused.load(Ordering::Relaxed) != refused_before {
-                // Full: the gateway says when the stream has room again.
-                return;
-            }
-        }
-    }
-
-    /// Waits until no push of this partition is waiting for its answer, at most 1 s
-    /// (under steady load pushes never all settle at once).
-    async fn settle(&self) {
-        let limit = tokio::time::sleep(Duration::from_secs(1));
-        tokio::pin!(limit);
-        loop {
-            let settled = self.push_settled.notified();
-            tokio::pin!(settled);
-            settled.as_mut().enable();
-            if self.pushes_inflight.load(Ordering::Relaxed) == 0 {
-                return;
-            }
-            tokio::select! {
-                _ = &mut settled => {}
-                _ = &mut limit => return,
-                _ = self.shutdown.cancelled() => return,
-            }
-        }
     }
 }
 

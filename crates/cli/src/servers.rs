@@ -79,6 +79,14 @@ pub struct GatewayArgs {
     /// Serve no StreamActivatedJobs (UNIMPLEMENTED): workers long-poll instead.
     #[arg(long)]
     no_push: bool,
+    /// Pushed jobs a stream client may hold unfinished unless it states its own
+    /// (Courier's worker does; Zeebe clients' default maxJobsActive is 32).
+    #[arg(long, default_value_t = 32)]
+    client_credit: u32,
+    /// Spare room of each job stream, in percent of its clients' credit: jobs kept
+    /// at the gateway for the first worker that finishes one (0: none).
+    #[arg(long, default_value_t = 50)]
+    stream_spare_percent: u32,
 }
 
 fn init_tracing() {
@@ -289,6 +297,8 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
         brokers,
         default_long_poll: Duration::from_secs(10),
         push_enabled: !a.no_push,
+        client_credit: a.client_credit.max(1),
+        stream_spare_percent: a.stream_spare_percent,
         ..Default::default()
     };
     courier_gateway::serve(config, listener, shutdown)

@@ -66,6 +66,11 @@ pub struct GatewayConfig {
     /// Bytes (variables and custom headers) of those jobs past which pushes are
     /// refused with `gateway_full` (default 256 MiB).
     pub max_inflight_bytes: usize,
+    /// Spare room of each aggregated stream, in percent of its clients' credit: pushed
+    /// jobs kept at the gateway for the first client that frees credit, so a worker
+    /// that finishes a job gets the next without a round trip to a broker (default
+    /// 50; 0 turns it off).
+    pub stream_spare_percent: u32,
     /// Whether StreamActivatedJobs is served; without it workers long-poll
     /// (default true).
     pub push_enabled: bool,
@@ -81,6 +86,7 @@ impl Default for GatewayConfig {
             client_credit: 32,
             max_inflight_jobs: 100_000,
             max_inflight_bytes: 256 * 1024 * 1024,
+            stream_spare_percent: 50,
             push_enabled: true,
         }
     }
@@ -102,6 +108,7 @@ pub async fn serve(
         client_credit: config.client_credit,
         max_inflight_jobs: config.max_inflight_jobs,
         max_inflight_bytes: config.max_inflight_bytes,
+        spare_percent: config.stream_spare_percent,
     });
     let gateway_id = format!("gateway-{:016x}", rand::random::<u64>());
     tracing::info!(

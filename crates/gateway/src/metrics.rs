@@ -28,6 +28,7 @@ struct Metrics {
     credit_free: IntGaugeVec,
     inflight_jobs: IntGauge,
     inflight_bytes: IntGauge,
+    spare_jobs: IntGauge,
     credit_reports: IntCounter,
 }
 
@@ -137,13 +138,17 @@ fn build() -> prometheus::Result<Metrics> {
             "courier_gateway_inflight_bytes",
             "Variables and custom headers bytes of the pushed jobs the gateway holds unfinished",
         )?,
+        spare_jobs: IntGauge::new(
+            "courier_gateway_spare_jobs",
+            "Pushed jobs kept in streams' spare room, waiting for a client with free credit",
+        )?,
         credit_reports: IntCounter::new(
             "courier_gateway_credit_reports_total",
             "StreamCredit reports sent to brokers",
         )?,
     };
     let registry = prometheus::default_registry();
-    let collectors: [Box<dyn prometheus::core::Collector>; 18] = [
+    let collectors: [Box<dyn prometheus::core::Collector>; 19] = [
         Box::new(m.requests.clone()),
         Box::new(m.request_duration.clone()),
         Box::new(m.long_poll_parked.clone()),
@@ -161,6 +166,7 @@ fn build() -> prometheus::Result<Metrics> {
         Box::new(m.credit_free.clone()),
         Box::new(m.inflight_jobs.clone()),
         Box::new(m.inflight_bytes.clone()),
+        Box::new(m.spare_jobs.clone()),
         Box::new(m.credit_reports.clone()),
     ];
     for c in collectors {
@@ -295,6 +301,13 @@ pub fn link_message_dropped(kind: &'static str) {
 pub fn credit_report_sent() {
     if let Some(m) = METRICS.as_ref() {
         m.credit_reports.inc();
+    }
+}
+
+/// Jobs kept in streams' spare room moved by `n`.
+pub fn spare_jobs(n: i64) {
+    if let Some(m) = METRICS.as_ref() {
+        m.spare_jobs.add(n);
     }
 }
 

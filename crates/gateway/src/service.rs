@@ -439,9 +439,11 @@ impl Gateway for GatewayService {
         let r = request.into_inner();
         let span = tracing::info_span!("CompleteJob", job_key = r.job_key);
         unary("CompleteJob", span, async {
+            // The worker is done with the job once it asks to finish it: its credit
+            // comes back now, so the next job is on its way while this one commits.
+            self.0.streams.finished_here(r.job_key, since);
             let command = convert::complete_request(&r);
             self.0.job_command(r.job_key, command, deadline).await?;
-            self.0.streams.finished_here(r.job_key, since);
             Ok(gw::CompleteJobResponse {})
         })
         .await
@@ -457,9 +459,11 @@ impl Gateway for GatewayService {
         let r = request.into_inner();
         let span = tracing::info_span!("FailJob", job_key = r.job_key, retries = r.retries);
         unary("FailJob", span, async {
+            // The worker is done with the job once it asks to finish it: its credit
+            // comes back now, so the next job is on its way while this one commits.
+            self.0.streams.finished_here(r.job_key, since);
             let command = convert::fail_request(&r);
             self.0.job_command(r.job_key, command, deadline).await?;
-            self.0.streams.finished_here(r.job_key, since);
             Ok(gw::FailJobResponse {})
         })
         .await
@@ -476,9 +480,11 @@ impl Gateway for GatewayService {
         let span =
             tracing::info_span!("ThrowError", job_key = r.job_key, error_code = %r.error_code);
         unary("ThrowError", span, async {
+            // The worker is done with the job once it asks to finish it: its credit
+            // comes back now, so the next job is on its way while this one commits.
+            self.0.streams.finished_here(r.job_key, since);
             let command = convert::throw_error_request(&r);
             self.0.job_command(r.job_key, command, deadline).await?;
-            self.0.streams.finished_here(r.job_key, since);
             Ok(gw::ThrowErrorResponse {})
         })
         .await

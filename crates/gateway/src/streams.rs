@@ -17,6 +17,17 @@
 //! whose buffer is full (its HTTP/2 window is) has none. The gateway as a whole
 //! holds at most `max_inflight_jobs` jobs and `max_inflight_bytes` bytes.
 //!
+//! A stream also has a small spare room (`Limits::spare_percent` of its clients'
+//! credit): jobs pushed when no client has free credit wait there, oldest first, for
+//! the first client that frees some, so a worker that finishes a job is handed the
+//! next one at once, without a round trip to a broker and a log write. The room is
+//! reported as credit; as much again is accepted beyond it, because a broker's view
+//! of its share can be overtaken by other brokers' pushes, and a push that arrives on
+//! such a stale share is better kept for a moment than refused and written back to
+//! the log as a yield. A spare job counts against the gateway's bounds, keeps its
+//! activation deadline, and goes back to its broker if the stream loses its last
+//! client.
+//!
 //! Each broker link hears, per stream, its share of the stream's free credit and
 //! how many pushes for the stream it has received from that broker on this
 //! connection (`StreamCredit`); the broker may push `free - (sent - received)` more.
@@ -37,7 +48,7 @@ use courier_proto::cluster::{
 use courier_proto::domain::{ActivationProps, NodeId};
 use courier_proto::gateway_protocol as gw;
 use futures::Stream;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -73,6 +84,9 @@ pub const UNKNOWN_STREAM: &str = "unknown_stream";
 pub const CLIENTS_FULL: &str = "clients_full";
 /// [`PushAck::reason`] when the gateway holds its most jobs or bytes in flight.
 pub const GATEWAY_FULL: &str = "gateway_full";
+/// Yield reason of a spare job that waited until less than half its activation
+/// timeout was left: handed out now, it could time out while its worker runs it.
+pub const SPARE_STALE: &str = "spare_stale";
 
 /// The flow-control bounds.
 #[derive(Clone, Copy, Debug)]
@@ -83,7 +97,17 @@ pub struct Limits {
     pub max_inflight_jobs: usize,
     /// Most bytes (variables and custom headers) of those jobs.
     pub max_inflight_bytes: usize,
+    /// Spare room of a stream, in percent of each client's credit (rounded up): pushed
+    /// jobs the gateway keeps for the stream's clients when none has free credit,
+    /// handed to the first that frees some. It is reported as credit, so the next jobs
+    /// are already here when a worker finishes one; as much again is accepted beyond
+    /// what was reported, so pushes made on a credit report that another broker's
+    /// pushes overtook wait here instead of being refused and yielded. 0: none.
+    pub spare_percent: u32,
 }
+
+/// [`Held::client_id`] of a job in its stream's spare room (client ids start at 1).
+const SPARE: u64 = 0;
 
 /// A pushed job waiting in a client's buffer, with what a yield needs.
 struct Buffered {
@@ -127,6 +151,21 @@ struct Aggregated {
     /// Where the remainder of the credit split starts, so it goes round the brokers.
     rotate: usize,
     gauges: CreditGauges,
+    /// Jobs waiting for a client with free credit, oldest first. May hold jobs whose
+    /// hold ended since (finished, deadline passed): they are dropped when reached.
+    spare: VecDeque<Buffered>,
+    /// Jobs of `spare` still held.
+    spared: u32,
+    /// The spare room reported as credit: the sum of the clients' shares.
+    spare_room: u32,
+}
+
+impl Aggregated {
+    /// Whether one more job fits in the spare room, counting the tolerance beyond
+    /// what was reported.
+    fn spare_fits(&self) -> bool {
+        self.spared < self.spare_room.saturating_mul(2)
+    }
 }
 
 /// A pushed job counted against a client until it finishes.
@@ -265,6 +304,9 @@ impl AggregatedStreams {
                         clients: Vec::new(),
                         next: 0,
                         rotate: 0,
+                        spare: VecDeque::new(),
+                        spared: 0,
+                        spare_room: 0,
                     },
                 );
                 st.by_props.insert(key, id);
@@ -274,8 +316,10 @@ impl AggregatedStreams {
             }
         };
         let starved = Arc::new(AtomicBool::new(false));
+        let spare = spare_share(credit, st.limits.spare_percent);
         if let Some(s) = st.streams.get_mut(&stream_id) {
             s.clients.push(client_id);
+            s.spare_room = s.spare_room.saturating_add(spare);
             s.gauges.add(0, i64::from(credit));
         }
         st.clients.insert(
@@ -289,6 +333,7 @@ impl AggregatedStreams {
         );
         st.dirty.insert(stream_id);
         metrics::stream_clients(1);
+        st.drain_spare(stream_id);
         self.wake_if_dirty(&st);
         ClientStream {
             streams: Arc::clone(self),
@@ -350,9 +395,9 @@ impl AggregatedStreams {
         }
     }
 
-    /// Job `key` was completed, failed or thrown through this gateway by a request
-    /// that started at `since`: its credit comes back, unless it was handed off after
-    /// `since` (a new activation, pushed while the request was under way).
+    /// Job `key` is being completed, failed or thrown through this gateway by a
+    /// request that started at `since`: the client is done with it, so its credit
+    /// comes back, unless it was handed off after `since` (a new activation).
     pub fn finished_here(&self, key: i64, since: Instant) {
         let mut st = self.lock();
         if st.held.get(&key).is_some_and(|h| h.since <= since) {
@@ -517,6 +562,7 @@ impl AggregatedStreams {
         let Some(client) = st.clients.remove(&client_id) else {
             return;
         };
+        let spare_percent = st.limits.spare_percent;
         let Some(stream) = st.streams.get_mut(&stream_id) else {
             return;
         };
@@ -524,6 +570,9 @@ impl AggregatedStreams {
             -i64::from(client.held),
             -i64::from(client.credit.saturating_sub(client.held)),
         );
+        stream.spare_room = stream
+            .spare_room
+            .saturating_sub(spare_share(client.credit, spare_percent));
         if let Some(pos) = stream.clients.iter().position(|&c| c == client_id) {
             stream.clients.remove(pos);
             // The rotation goes on with the client that followed the one removed.
@@ -560,9 +609,27 @@ impl AggregatedStreams {
                     moved += 1;
                 }
                 Err((b, reason)) => {
+                    if st.keep_spare(stream_id, key, b, reason) {
+                        moved += 1;
+                    } else {
+                        yielded += 1;
+                    }
+                }
+            }
+        }
+        if left == 0 {
+            // Nobody is left to take the spare jobs: back to their brokers.
+            let spare = st
+                .streams
+                .get_mut(&stream_id)
+                .map(|s| std::mem::take(&mut s.spare))
+                .unwrap_or_default();
+            for b in spare {
+                let key = b.job.key;
+                if st.is_spare(key, b.lease) {
                     yielded += 1;
                     st.release(key);
-                    st.yield_job(b, reason);
+                    st.yield_job(b, NO_CLIENT);
                 }
             }
         }
@@ -602,6 +669,7 @@ impl AggregatedStreams {
         let mut st = self.lock();
         if st.streams.contains_key(&stream_id) {
             st.dirty.insert(stream_id);
+            st.drain_spare(stream_id);
             self.wake_if_dirty(&st);
         }
     }
@@ -659,33 +727,120 @@ impl State {
             return Err(GATEWAY_FULL);
         }
         let (lease, deadline_ms) = (b.lease, b.job.deadline);
-        match self.offer(stream_id, b) {
-            Ok(client_id) => {
-                let timeout_ms = self
-                    .streams
-                    .get(&stream_id)
-                    .map_or(0, |s| s.props.timeout_ms);
-                let deadline = deadline_instant(deadline_ms, timeout_ms);
-                self.held.insert(
-                    key,
-                    Held {
-                        stream_id,
-                        client_id,
-                        lease,
-                        deadline,
-                        bytes,
-                        since: Instant::now(),
-                    },
-                );
-                self.deadlines.insert((deadline, key));
-                self.inflight_bytes += bytes;
-                metrics::inflight(1, i64::try_from(bytes).unwrap_or(i64::MAX));
-                Ok(())
+        let client_id = match self.offer(stream_id, b) {
+            Ok(client_id) => client_id,
+            Err((b, CLIENTS_FULL))
+                if self.streams.get(&stream_id).is_some_and(|s| s.spare_fits()) =>
+            {
+                if let Some(s) = self.streams.get_mut(&stream_id) {
+                    s.spare.push_back(b);
+                    s.spared += 1;
+                }
+                metrics::spare_jobs(1);
+                SPARE
             }
             Err((_, reason)) => {
                 // The broker thought there was credit: correct its view.
                 self.dirty.insert(stream_id);
-                Err(reason)
+                return Err(reason);
+            }
+        };
+        let timeout_ms = self
+            .streams
+            .get(&stream_id)
+            .map_or(0, |s| s.props.timeout_ms);
+        let deadline = deadline_instant(deadline_ms, timeout_ms);
+        self.held.insert(
+            key,
+            Held {
+                stream_id,
+                client_id,
+                lease,
+                deadline,
+                bytes,
+                since: Instant::now(),
+            },
+        );
+        self.deadlines.insert((deadline, key));
+        self.inflight_bytes += bytes;
+        metrics::inflight(1, i64::try_from(bytes).unwrap_or(i64::MAX));
+        Ok(())
+    }
+
+    /// Whether job `key`'s activation `lease` is held in its stream's spare room.
+    fn is_spare(&self, key: i64, lease: u64) -> bool {
+        self.held
+            .get(&key)
+            .is_some_and(|h| h.client_id == SPARE && h.lease == lease)
+    }
+
+    /// Moves a held job that no client can take now into its stream's spare room; when
+    /// there is no room (or no client), releases it and yields it to its broker.
+    /// True when kept.
+    fn keep_spare(&mut self, stream_id: u64, key: i64, b: Buffered, reason: &'static str) -> bool {
+        let Some(s) = self
+            .streams
+            .get_mut(&stream_id)
+            .filter(|s| !s.clients.is_empty() && s.spare_fits())
+        else {
+            self.release(key);
+            self.yield_job(b, reason);
+            return false;
+        };
+        s.spare.push_back(b);
+        s.spared += 1;
+        metrics::spare_jobs(1);
+        if let Some(h) = self.held.get_mut(&key) {
+            h.client_id = SPARE;
+        }
+        true
+    }
+
+    /// Hands the stream's spare jobs, oldest first, to clients with free credit.
+    fn drain_spare(&mut self, stream_id: u64) {
+        loop {
+            let Some(b) = self
+                .streams
+                .get_mut(&stream_id)
+                .and_then(|s| s.spare.pop_front())
+            else {
+                return;
+            };
+            let (key, lease) = (b.job.key, b.lease);
+            if !self.is_spare(key, lease) {
+                // Its hold ended while it waited: nobody should run it.
+                continue;
+            }
+            let timeout_ms = self
+                .streams
+                .get(&stream_id)
+                .map_or(0, |s| s.props.timeout_ms);
+            let left = self.held.get(&key).map_or(Duration::ZERO, |h| {
+                h.deadline.saturating_duration_since(Instant::now())
+            });
+            if left.as_millis() < u128::try_from(timeout_ms / 2).unwrap_or(0) {
+                // Back to its broker, which activates it afresh for the next room.
+                self.release(key);
+                self.yield_job(b, SPARE_STALE);
+                continue;
+            }
+            match self.offer(stream_id, b) {
+                Ok(to) => {
+                    if let Some(h) = self.held.get_mut(&key) {
+                        h.client_id = to;
+                    }
+                    if let Some(s) = self.streams.get_mut(&stream_id) {
+                        s.spared = s.spared.saturating_sub(1);
+                    }
+                    metrics::spare_jobs(-1);
+                    self.dirty.insert(stream_id);
+                }
+                Err((b, _)) => {
+                    if let Some(s) = self.streams.get_mut(&stream_id) {
+                        s.spare.push_front(b);
+                    }
+                    return;
+                }
             }
         }
     }
@@ -739,12 +894,19 @@ impl State {
         self.inflight_bytes -= h.bytes;
         metrics::inflight(-1, -i64::try_from(h.bytes).unwrap_or(i64::MAX));
         self.full = false;
-        if let Some(c) = self.clients.get_mut(&h.client_id) {
+        if h.client_id == SPARE {
+            if let Some(s) = self.streams.get_mut(&h.stream_id) {
+                s.spared = s.spared.saturating_sub(1);
+            }
+            metrics::spare_jobs(-1);
+            self.dirty.insert(h.stream_id);
+        } else if let Some(c) = self.clients.get_mut(&h.client_id) {
             c.held = c.held.saturating_sub(1);
             if let Some(s) = self.streams.get(&h.stream_id) {
                 s.gauges.add(-1, 1);
             }
             self.dirty.insert(h.stream_id);
+            self.drain_spare(h.stream_id);
         }
         // Their reports were bounded by the gateway's headroom, which just grew.
         self.dirty.extend(self.capped.iter().copied());
@@ -786,6 +948,7 @@ impl State {
                 }
                 sum += u64::from(free);
             }
+            sum += u64::from(stream.spare_room.saturating_sub(stream.spared));
             if sum > headroom {
                 self.capped.insert(id);
             } else {
@@ -915,6 +1078,11 @@ fn split(free: u32, weights: &[u32], rotate: usize) -> Vec<u32> {
     shares
 }
 
+/// A client's share of its stream's spare room: `percent` of its credit, rounded up.
+fn spare_share(credit: u32, percent: u32) -> u32 {
+    u32::try_from((u64::from(credit) * u64::from(percent)).div_ceil(100)).unwrap_or(u32::MAX)
+}
+
 /// The gateway-clock instant of an activation deadline (epoch ms); a push without
 /// one holds its credit for the stream's activation timeout.
 fn deadline_instant(deadline_ms: i64, timeout_ms: i64) -> Instant {
@@ -1036,6 +1204,7 @@ mod tests {
             client_credit,
             max_inflight_jobs: 100_000,
             max_inflight_bytes: 256 << 20,
+            spare_percent: 0,
         }
     }
 
@@ -1707,6 +1876,160 @@ mod tests {
         assert_eq!(ack(&l1, push(id, 4)), refused(CLIENTS_FULL));
         s.finished(0, lease(0));
         assert_eq!(ack(&l1, push(id, 4)), ok());
+    }
+
+    fn with_spare(client_credit: u32, spare_percent: u32) -> Arc<AggregatedStreams> {
+        AggregatedStreams::new(Limits {
+            spare_percent,
+            ..limits(client_credit)
+        })
+    }
+
+    #[test]
+    fn spare_room_is_a_quarter_of_the_credit_rounded_up() {
+        assert_eq!(spare_share(32, 25), 8);
+        assert_eq!(spare_share(4, 25), 1);
+        assert_eq!(spare_share(1, 25), 1);
+        assert_eq!(spare_share(10, 0), 0);
+        assert_eq!(spare_share(u32::MAX, 100), u32::MAX);
+    }
+
+    #[test]
+    fn spare_jobs_wait_for_the_first_client_that_frees_credit_never_exceeding_it() {
+        // Credit 2 each, spare 50%: one spare place per client, reported as credit.
+        let s = with_spare(2, 50);
+        let (l, mut rx) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
+        let mut b = s.join(t(), None);
+        let id = a.stream_id();
+        drain(&mut rx);
+        s.flush();
+        assert_eq!(reports(&mut rx).last(), Some(&(id, 6, 0)));
+        for k in 1..=4 {
+            assert_eq!(ack(&l, push(id, k)), ok());
+        }
+        // Both clients are full; the next two wait in the spare room.
+        assert_eq!(ack(&l, push(id, 5)), ok());
+        assert_eq!(ack(&l, push(id, 6)), ok());
+        assert_eq!(keys(&mut a), [1, 3]);
+        assert_eq!(keys(&mut b), [2, 4]);
+        assert_eq!(s.inflight().0, 6);
+        // b finishes one: the oldest spare job goes to b at once, not to a.
+        s.finished_here(4, Instant::now());
+        assert_eq!(keys(&mut b), [5]);
+        assert!(keys(&mut a).is_empty());
+        s.finished_here(1, Instant::now());
+        assert_eq!(keys(&mut a), [6]);
+        // The spare room is empty again and reported as free.
+        s.flush();
+        assert_eq!(reports(&mut rx).last(), Some(&(id, 2, 6)));
+    }
+
+    #[test]
+    fn pushes_beyond_the_reported_spare_room_are_taken_up_to_as_much_again() {
+        // Credit 1 and spare 100%: one place reported, one more of tolerance.
+        let s = with_spare(1, 100);
+        let (l, _rx) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
+        let id = a.stream_id();
+        assert_eq!(ack(&l, push(id, 1)), ok());
+        assert_eq!(ack(&l, push(id, 2)), ok());
+        assert_eq!(ack(&l, push(id, 3)), ok());
+        assert_eq!(ack(&l, push(id, 4)), refused(CLIENTS_FULL));
+        assert_eq!(keys(&mut a), [1]);
+        s.finished_here(1, Instant::now());
+        assert_eq!(keys(&mut a), [2]);
+        assert_eq!(ack(&l, push(id, 4)), ok());
+        assert_eq!(ack(&l, push(id, 5)), refused(CLIENTS_FULL));
+    }
+
+    #[test]
+    fn a_spare_job_whose_activation_ended_is_never_handed_out() {
+        let s = with_spare(1, 100);
+        let (l, _rx) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
+        let id = a.stream_id();
+        assert_eq!(ack(&l, push(id, 1)), ok());
+        assert_eq!(ack(&l, push(id, 2)), ok());
+        assert_eq!(ack(&l, push(id, 3)), ok());
+        assert_eq!(keys(&mut a), [1]);
+        // Job 2 timed out at the broker (or was canceled) while it waited.
+        s.finished(2, lease(2));
+        assert_eq!(s.inflight().0, 2);
+        s.finished_here(1, Instant::now());
+        assert_eq!(keys(&mut a), [3]);
+        assert_eq!(s.inflight().0, 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_spare_job_past_half_its_timeout_goes_back_to_its_broker() {
+        // The stream's timeout is 1 s (see `props`).
+        let s = with_spare(1, 100);
+        let (l, mut rx) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
+        let id = a.stream_id();
+        assert_eq!(ack(&l, push(id, 1)), ok());
+        assert_eq!(ack(&l, push(id, 2)), ok());
+        assert_eq!(ack(&l, push(id, 3)), ok());
+        assert_eq!(keys(&mut a), [1]);
+        drain(&mut rx);
+        tokio::time::advance(Duration::from_millis(400)).await;
+        s.finished_here(1, Instant::now());
+        assert_eq!(keys(&mut a), [2]);
+        tokio::time::advance(Duration::from_millis(200)).await;
+        s.finished_here(2, Instant::now());
+        // Job 3 has 400 ms of its 1 s left: yielded, not handed out.
+        assert!(keys(&mut a).is_empty());
+        let yielded: Vec<i64> = drain(&mut rx)
+            .into_iter()
+            .filter_map(|k| match k {
+                Kind::YieldJob(y) => Some(y.key),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(yielded, [3]);
+        assert_eq!(s.inflight().0, 0);
+    }
+
+    #[test]
+    fn spare_jobs_are_yielded_when_the_last_client_leaves() {
+        let s = with_spare(1, 100);
+        let (l, mut rx) = s.attach_link(1, hello());
+        let a = s.join(t(), None);
+        let id = a.stream_id();
+        assert_eq!(ack(&l, push(id, 1)), ok());
+        assert_eq!(ack(&l, push(id, 2)), ok());
+        drain(&mut rx);
+        drop(a);
+        let yielded: Vec<i64> = drain(&mut rx)
+            .into_iter()
+            .filter_map(|k| match k {
+                Kind::YieldJob(y) => Some(y.key),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(yielded, [1, 2]);
+        assert_eq!(s.inflight(), (0, 0));
+    }
+
+    #[test]
+    fn a_leaving_clients_buffered_jobs_wait_in_the_spare_room_for_the_others() {
+        let s = with_spare(1, 100);
+        let (l, mut rx) = s.attach_link(1, hello());
+        let a = s.join(t(), None);
+        let mut b = s.join(t(), None);
+        let id = a.stream_id();
+        assert_eq!(ack(&l, push(id, 1)), ok());
+        assert_eq!(ack(&l, push(id, 2)), ok());
+        drain(&mut rx);
+        // a leaves with job 1 in its buffer; b is full: job 1 waits for b.
+        drop(a);
+        assert!(drain(&mut rx)
+            .iter()
+            .all(|k| !matches!(k, Kind::YieldJob(_))));
+        assert_eq!(keys(&mut b), [2]);
+        s.finished_here(2, Instant::now());
+        assert_eq!(keys(&mut b), [1]);
     }
 
     #[test]

@@ -647,6 +647,15 @@ impl State {
     }
 
     /// Whether jobs of this type are waiting for any of these tenants.
+    /// How many jobs of this type and these tenants are activatable.
+    pub fn activatable_count(&self, job_type: &str, tenants: &[String]) -> usize {
+        tenants
+            .iter()
+            .filter_map(|t| self.queues.get(&(job_type.to_string(), t.clone())))
+            .map(BTreeMap::len)
+            .sum()
+    }
+
     pub fn has_activatable(&self, job_type: &str, tenants: &[String]) -> bool {
         tenants.iter().any(|t| {
             self.queues

@@ -1,5 +1,5 @@
 //! How many jobs a worker holds: one permit per job, from the moment it is received
-//! until its outcome is reported (or it is given back), whichever path it came by.
+//! until its outcome is sent (or it is given back), whichever path it came by.
 
 use std::sync::Arc;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};

@@ -17,8 +17,9 @@ use tokio::time::Instant;
 const GIVE_BACK_TIMEOUT: Duration = Duration::from_millis(1);
 
 /// Runs the handler for a held job and reports what it decided. The job's room is
-/// freed (the hold dropped) only after the report, so a job is counted until the
-/// gateway knows its fate.
+/// freed when its outcome is sent, as the gateway frees the stream's credit when
+/// the outcome arrives: the next job may be on its way while this one's outcome is
+/// committed. It stays counted as active (for shutdown) until the report is answered.
 pub(super) async fn run(ctx: Arc<Ctx>, job: ActivatedJob, hold: (Held, ActiveGuard)) {
     let (key, retries) = (job.key, job.retries);
     let started = Instant::now();
@@ -34,14 +35,16 @@ pub(super) async fn run(ctx: Arc<Ctx>, job: ActivatedJob, hold: (Held, ActiveGua
             None
         }
     };
+    let (held, active) = hold;
     match outcome {
         Some(outcome) => {
             ctx.metrics.handler_took(started.elapsed());
+            drop(held);
             report(&ctx, key, retries, outcome).await;
         }
         None => give_back(Arc::clone(&ctx), key, GiveBack::Shutdown).await,
     }
-    drop(hold);
+    drop(active);
 }
 
 /// The outcome for a finished handler task: its own decision, or a failure for its

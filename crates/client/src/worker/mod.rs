@@ -20,7 +20,8 @@
 //!
 //! # Never more than max jobs active
 //! A semaphore of max-jobs-active permits counts the jobs held, from receipt until
-//! the outcome is reported, whichever path they came by. A job that arrives when no
+//! the outcome is sent (the gateway frees the stream's credit when it arrives),
+//! whichever path they came by. A job that arrives when no
 //! permit is free (push and poll raced for the same room, or the gateway pushed
 //! beyond the stated credit) is not held: it is given back at once with
 //! `UpdateJobTimeout(key, 1 ms)`. It times out on the broker and is runnable again
