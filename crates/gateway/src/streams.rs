@@ -1278,6 +1278,17 @@ mod tests {
             .collect()
     }
 
+    /// Keys of the jobs yielded on a link so far; other messages are skipped.
+    fn yielded_keys(rx: &mut mpsc::Receiver<GatewayMessage>) -> Vec<i64> {
+        drain(rx)
+            .into_iter()
+            .filter_map(|k| match k {
+                Kind::YieldJob(y) => Some(y.key),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Keys of every job buffered for a client so far.
     fn keys(c: &mut ClientStream) -> Vec<i64> {
         std::iter::from_fn(|| c.next().now_or_never().flatten())
@@ -1925,18 +1936,30 @@ mod tests {
         assert_eq!(reports(&mut rx).last(), Some(&(id, 2, 6)));
     }
 
-    #[test]
-    fn pushes_beyond_the_reported_spare_room_are_taken_up_to_as_much_again() {
-        // Credit 1 and spare 100%: one place reported, one more of tolerance.
+    /// Credit 1 and spare 100% (one place reported, one more of tolerance): job 1
+    /// taken by the client, jobs 2 and 3 in the spare room.
+    fn one_full_client_and_two_spare_jobs() -> (
+        Arc<AggregatedStreams>,
+        AttachedLink,
+        mpsc::Receiver<GatewayMessage>,
+        ClientStream,
+    ) {
         let s = with_spare(1, 100);
-        let (l, _rx) = s.attach_link(1, hello());
+        let (l, rx) = s.attach_link(1, hello());
         let mut a = s.join(t(), None);
         let id = a.stream_id();
         assert_eq!(ack(&l, push(id, 1)), ok());
         assert_eq!(ack(&l, push(id, 2)), ok());
         assert_eq!(ack(&l, push(id, 3)), ok());
-        assert_eq!(ack(&l, push(id, 4)), refused(CLIENTS_FULL));
         assert_eq!(keys(&mut a), [1]);
+        (s, l, rx, a)
+    }
+
+    #[test]
+    fn pushes_beyond_the_reported_spare_room_are_taken_up_to_as_much_again() {
+        let (s, l, _rx, mut a) = one_full_client_and_two_spare_jobs();
+        let id = a.stream_id();
+        assert_eq!(ack(&l, push(id, 4)), refused(CLIENTS_FULL));
         s.finished_here(1, Instant::now());
         assert_eq!(keys(&mut a), [2]);
         assert_eq!(ack(&l, push(id, 4)), ok());
@@ -1945,14 +1968,7 @@ mod tests {
 
     #[test]
     fn a_spare_job_whose_activation_ended_is_never_handed_out() {
-        let s = with_spare(1, 100);
-        let (l, _rx) = s.attach_link(1, hello());
-        let mut a = s.join(t(), None);
-        let id = a.stream_id();
-        assert_eq!(ack(&l, push(id, 1)), ok());
-        assert_eq!(ack(&l, push(id, 2)), ok());
-        assert_eq!(ack(&l, push(id, 3)), ok());
-        assert_eq!(keys(&mut a), [1]);
+        let (s, _l, _rx, mut a) = one_full_client_and_two_spare_jobs();
         // Job 2 timed out at the broker (or was canceled) while it waited.
         s.finished(2, lease(2));
         assert_eq!(s.inflight().0, 2);
@@ -1964,14 +1980,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_spare_job_past_half_its_timeout_goes_back_to_its_broker() {
         // The stream's timeout is 1 s (see `props`).
-        let s = with_spare(1, 100);
-        let (l, mut rx) = s.attach_link(1, hello());
-        let mut a = s.join(t(), None);
-        let id = a.stream_id();
-        assert_eq!(ack(&l, push(id, 1)), ok());
-        assert_eq!(ack(&l, push(id, 2)), ok());
-        assert_eq!(ack(&l, push(id, 3)), ok());
-        assert_eq!(keys(&mut a), [1]);
+        let (s, _l, mut rx, mut a) = one_full_client_and_two_spare_jobs();
         drain(&mut rx);
         tokio::time::advance(Duration::from_millis(400)).await;
         s.finished_here(1, Instant::now());
@@ -1980,13 +1989,7 @@ mod tests {
         s.finished_here(2, Instant::now());
         // Job 3 has 400 ms of its 1 s left: yielded, not handed out.
         assert!(keys(&mut a).is_empty());
-        let yielded: Vec<i64> = drain(&mut rx)
-            .into_iter()
-            .filter_map(|k| match k {
-                Kind::YieldJob(y) => Some(y.key),
-                _ => None,
-            })
-            .collect();
+        let yielded = yielded_keys(&mut rx);
         assert_eq!(yielded, [3]);
         assert_eq!(s.inflight().0, 0);
     }
@@ -2001,13 +2004,7 @@ mod tests {
         assert_eq!(ack(&l, push(id, 2)), ok());
         drain(&mut rx);
         drop(a);
-        let yielded: Vec<i64> = drain(&mut rx)
-            .into_iter()
-            .filter_map(|k| match k {
-                Kind::YieldJob(y) => Some(y.key),
-                _ => None,
-            })
-            .collect();
+        let yielded = yielded_keys(&mut rx);
         assert_eq!(yielded, [1, 2]);
         assert_eq!(s.inflight(), (0, 0));
     }
