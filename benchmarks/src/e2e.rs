@@ -29,8 +29,13 @@ pub struct E2eArgs {
     #[arg(long, default_value_t = 1)]
     pub workers: usize,
     /// Jobs per second, open loop; without it, one job at a time (unloaded).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "in_flight")]
     pub rate: Option<u64>,
+    /// Closed loop, as fast as the cluster takes: at most this many jobs between
+    /// being sent for creation and reaching a handler; each job that reaches one lets
+    /// the next be created. The rate reported is the full lifecycle's throughput.
+    #[arg(long)]
+    pub in_flight: Option<usize>,
     #[arg(long, default_value_t = 10)]
     pub duration: u64,
     #[arg(long, default_value_t = 2)]
@@ -138,8 +143,57 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
     let until = start + Duration::from_secs(a.warmup + a.duration);
     let mut h = histogram()?;
     let mut errors = 0u64;
-    let load = match a.rate {
-        None => {
+    let load = match (a.rate, a.in_flight) {
+        (None, Some(window)) => {
+            let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(window.max(1)));
+            let create_errors = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let producer = {
+                let (c, t, p, permits, errs) = (
+                    client.clone(),
+                    job_type.clone(),
+                    pad.clone(),
+                    permits.clone(),
+                    create_errors.clone(),
+                );
+                tokio::spawn(async move {
+                    while Instant::now() < until {
+                        let Ok(permit) = permits.clone().acquire_owned().await else {
+                            return;
+                        };
+                        // Given back when a handler has the job (below), or now if
+                        // its create fails.
+                        permit.forget();
+                        let (c, t, p, permits, errs) =
+                            (c.clone(), t.clone(), p.clone(), permits.clone(), errs.clone());
+                        tokio::spawn(async move {
+                            if c.create_job(job(&t, &p)).await.is_err() {
+                                errs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                permits.add_permits(1);
+                            }
+                        });
+                    }
+                })
+            };
+            while Instant::now() < until {
+                let left = until.saturating_duration_since(Instant::now());
+                match tokio::time::timeout(left, rx.recv()).await {
+                    Ok(Some((t, lat))) => {
+                        permits.add_permits(1);
+                        if t >= measure_from_us {
+                            h.saturating_record(lat);
+                        }
+                    }
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            producer.abort();
+            errors += create_errors.load(std::sync::atomic::Ordering::Relaxed);
+            format!(
+                "full lifecycle, closed loop ({window} in flight), {} workers",
+                a.workers
+            )
+        }
+        (None, None) => {
             // One job at a time: create it, wait until a handler has it.
             while Instant::now() < until {
                 if client.create_job(job(&job_type, &pad)).await.is_err() {
@@ -154,7 +208,7 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
             }
             "unloaded, 1 job at a time".to_string()
         }
-        Some(rate) => {
+        (Some(rate), _) => {
             let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
             let mut n = 0u64;
             let mut expected = 0u64;
