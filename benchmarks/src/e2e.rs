@@ -163,8 +163,13 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
                         // Given back when a handler has the job (below), or now if
                         // its create fails.
                         permit.forget();
-                        let (c, t, p, permits, errs) =
-                            (c.clone(), t.clone(), p.clone(), permits.clone(), errs.clone());
+                        let (c, t, p, permits, errs) = (
+                            c.clone(),
+                            t.clone(),
+                            p.clone(),
+                            permits.clone(),
+                            errs.clone(),
+                        );
                         tokio::spawn(async move {
                             if c.create_job(job(&t, &p)).await.is_err() {
                                 errs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -70,6 +70,22 @@ fn byte_range(range: impl RangeBounds<u64>) -> (Bound<[u8; 8]>, Bound<[u8; 8]>) 
     (map(range.start_bound()), map(range.end_bound()))
 }
 
+impl LogStore {
+    /// Encodes `entries` and writes them in one batch, without waiting for them to be
+    /// durable (see [`Db::sync`]): the part of an append that is this store's own.
+    pub fn write(
+        &self,
+        entries: impl IntoIterator<Item = Entry<TypeConfig>>,
+    ) -> Result<(), StorageError<NodeId>> {
+        let mut batch = self.db.database().batch();
+        for entry in entries {
+            let bytes = serde_json::to_vec(&entry).map_err(write_err)?;
+            batch.insert(&self.log, entry.get_log_id().index.to_be_bytes(), bytes);
+        }
+        batch.commit().map_err(write_err)
+    }
+}
+
 impl RaftLogReader<TypeConfig> for LogStore {
     async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
         &mut self,
@@ -139,12 +155,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let mut batch = self.db.database().batch();
-        for entry in entries {
-            let bytes = serde_json::to_vec(&entry).map_err(write_err)?;
-            batch.insert(&self.log, entry.get_log_id().index.to_be_bytes(), bytes);
-        }
-        batch.commit().map_err(write_err)?;
+        self.write(entries)?;
         self.db.flushed(callback);
         Ok(())
     }

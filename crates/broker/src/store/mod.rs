@@ -102,7 +102,7 @@ impl Db {
     }
 
     /// Flushes everything written so far to disk, now.
-    pub(crate) fn sync(&self) -> Result<(), fjall::Error> {
+    pub fn sync(&self) -> Result<(), fjall::Error> {
         self.db.persist(PersistMode::SyncData)
     }
 }
