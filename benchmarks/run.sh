@@ -2,7 +2,9 @@
 # Builds Courier in release mode, starts each topology, runs the scenarios, stops
 # everything it started, and writes benchmarks/RESULTS.md.
 #   bash benchmarks/run.sh           full run (~3 minutes)
-#   bash benchmarks/run.sh --quick   short run (under 2 minutes)
+#   bash benchmarks/run.sh --quick   short run (under 2 minutes): the 3-broker fsync
+#                                    cluster's latency rows, JetStream at 1,000/s, and
+#                                    the slow-worker and burst scenarios, 2 s a row
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
@@ -33,26 +35,47 @@ wait_ready() { # address
 }
 stop_all() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; PIDS=(); }
 
+# CPU used by the servers under test, as a last column: user + system time of the
+# given processes (all their threads) while the row ran, divided by the row's wall
+# time (warm-up, measurement and drain), in cores of this 2-core machine.
+HZ=$(getconf CLK_TCK)
+cpu_ticks() { local t=0 p v; for p in "$@"; do v=$(awk '{print $14+$15}' "/proc/$p/stat" 2>/dev/null || echo 0); t=$((t+v)); done; echo "$t"; }
+with_cpu() { # "PIDS" command... -> the command's row, with a CPU column
+  local pids=$1 t0 w0 out t1 w1; shift
+  # shellcheck disable=SC2086
+  t0=$(cpu_ticks $pids); w0=$(date +%s.%N)
+  out=$("$@")
+  # shellcheck disable=SC2086
+  t1=$(cpu_ticks $pids); w1=$(date +%s.%N)
+  echo "$out $(awk -v c=$((t1-t0)) -v hz="$HZ" -v a="$w0" -v b="$w1" 'BEGIN{printf "%.2f", c/hz/(b-a)}') |"
+}
+
 ROWS=()
 bench() { # label address
-  ROWS+=("$("$BIN/courier-bench" create --address "$2" --label "$1" --concurrency 1 --duration "$DURATION" --warmup "$WARMUP")")
-  ROWS+=("$("$BIN/courier-bench" create --address "$2" --label "$1" --concurrency 64 --duration "$DURATION" --warmup "$WARMUP")")
+  ROWS+=("$(with_cpu "${PIDS[*]}" "$BIN/courier-bench" create --address "$2" --label "$1" --concurrency 1 --duration "$DURATION" --warmup "$WARMUP")")
+  ROWS+=("$(with_cpu "${PIDS[*]}" "$BIN/courier-bench" create --address "$2" --label "$1" --concurrency 64 --duration "$DURATION" --warmup "$WARMUP")")
 }
 
 E2E=()
 RATIOS=()
 col() { echo "$1" | awk -F'|' -v c="$2" '{gsub(/ /,"",$c); print $c}'; }
 e2e() { # label address
-  local e=("$BIN/courier-bench" e2e --address "$2" --label "$1" --duration "$DURATION" --warmup "$WARMUP")
-  local commit push1 poll1 pushr pollr
-  commit=$("$BIN/courier-bench" create --address "$2" --label "$1" --concurrency 1 --duration "$DURATION" --warmup "$WARMUP")
-  # Arms alternate (push, poll, then poll, push) so a drift in machine speed does
-  # not favour one side.
+  local e=(with_cpu "${PIDS[*]}" "$BIN/courier-bench" e2e --address "$2" --label "$1" --duration "$DURATION" --warmup "$WARMUP")
+  local commit push1 poll1 pushr pollr pusht pollt
+  commit=$(with_cpu "${PIDS[*]}" "$BIN/courier-bench" create --address "$2" --label "$1" --concurrency 1 --duration "$DURATION" --warmup "$WARMUP")
+  # Arms alternate (push, poll, then poll, push, then push, poll) so a drift in
+  # machine speed does not favour one side.
   push1=$("${e[@]}" --mode push)
   poll1=$("${e[@]}" --mode poll)
   pollr=$("${e[@]}" --mode poll --workers 8 --rate 1000)
   pushr=$("${e[@]}" --mode push --workers 8 --rate 1000)
+  # The full lifecycle's throughput: closed loop, 256 jobs between create and handler.
   E2E+=("$(echo "$commit" | sed 's/closed loop x1/create acknowledged (one commit), 1 at a time/')" "$push1" "$poll1" "$pushr" "$pollr")
+  if [[ -z $QUICK ]]; then
+    pusht=$("${e[@]}" --mode push --workers 8 --in-flight 256)
+    pollt=$("${e[@]}" --mode poll --workers 8 --in-flight 256)
+    E2E+=("$pusht" "$pollt")
+  fi
   RATIOS+=("| $1 | $(awk -v a="$(col "$push1" 4)" -v b="$(col "$commit" 4)" 'BEGIN{printf "%.2f", a/b}') | $(awk -v a="$(col "$poll1" 4)" -v b="$(col "$push1" 4)" 'BEGIN{printf "%.2f", a/b}') | $(awk -v a="$(col "$pollr" 5)" -v b="$(col "$pushr" 5)" 'BEGIN{printf "%.2f", a/b}') |")
 }
 
@@ -96,7 +119,7 @@ peer() { # label address
   local cc=("$BIN/courier-bench" e2e --address "$2" --label "$1" --mode push --duration "$DURATION" --warmup "$WARMUP")
   local jj=("$BIN/courier-bench" jetstream --servers "$servers" --duration "$DURATION" --warmup "$WARMUP")
   local scenarios=(commit unloaded 1000 5000)
-  [[ -n $QUICK ]] && scenarios=(commit unloaded 1000)
+  [[ -n $QUICK ]] && scenarios=(unloaded 1000)
   for s in "${scenarios[@]}"; do
     local ca=() ja=()
     case $s in
@@ -104,8 +127,9 @@ peer() { # label address
       unloaded) ;;
       *) ca=(--workers 8 --rate "$s"); ja=(--workers 8 --rate "$s") ;;
     esac
-    if (( i % 2 == 0 )); then c=$(peer_courier "$1" "$2" "${ca[@]}"); j=$("${jj[@]}" "${ja[@]}")
-    else j=$("${jj[@]}" "${ja[@]}"); c=$(peer_courier "$1" "$2" "${ca[@]}"); fi
+    local jpids; jpids=$(cat "$WORK"/jetstream/n*/pid)
+    if (( i % 2 == 0 )); then c=$(with_cpu "${PIDS[*]}" peer_courier "$1" "$2" "${ca[@]}"); j=$(with_cpu "$jpids" "${jj[@]}" "${ja[@]}")
+    else j=$(with_cpu "$jpids" "${jj[@]}" "${ja[@]}"); c=$(with_cpu "${PIDS[*]}" peer_courier "$1" "$2" "${ca[@]}"); fi
     PEER+=("$c $(vs "$c" "$j") |" "$j - | - |")
     i=$((i+1))
   done
@@ -124,6 +148,8 @@ FLOWS=()
 flow() { # label address
   local f=("$BIN/courier-bench" flow --address "$2" --label "$1" --gateway-metrics "$GMETRICS" --broker-metrics "$BMETRICS" --duration "$FLOW" --burst "$BURST")
   FLOWS+=("$("${f[@]}" --scenario slow) - |")
+  # --quick: slow workers and the push burst only.
+  if [[ -n $QUICK ]]; then FLOWS+=("$("${f[@]}" --scenario burst) - |"); return; fi
   # The gateway's resident memory, sampled through the overload.
   : > "$WORK/rss"
   ( while kill -0 "$GWPID" 2>/dev/null; do awk '/VmRSS/{print $2}' "/proc/$GWPID/status" >> "$WORK/rss"; sleep 0.2; done ) &
@@ -134,6 +160,14 @@ flow() { # label address
   FLOWS+=("$("${f[@]}" --scenario burst-poll) - |")
 }
 
+# Micro-benchmarks of the broker's hot path (criterion), as name and time per iteration.
+MICRO=()
+if [[ -z $QUICK ]]; then
+  while read -r _ name _ _ ns _; do
+    MICRO+=("| \`$name\` | $(awk -v n="${ns//,/}" 'BEGIN{printf "%.2f", n/1000}') |")
+  done < <(cargo bench -p courier-broker --bench hot_path -- --warm-up-time 1 --measurement-time 3 --output-format bencher 2>/dev/null | grep '^test ')
+fi
+
 # start_* set ADDR rather than print it: a $(...) subshell would lose PIDS, and the
 # processes would outlive the script.
 FSYNC=$("$BIN/courier-bench" fsync-probe --dir "$WORK")
@@ -143,7 +177,8 @@ for d in "${MODES[@]}"; do
     if [[ $d == fsync ]]; then e2e "courier dev, $d" "$ADDR"; fi
     stop_all
   fi
-  start_cluster "$d"; bench "3 brokers, RF 3, 3 partitions, $d" "$ADDR"
+  start_cluster "$d"
+  if [[ -z $QUICK ]]; then bench "3 brokers, RF 3, 3 partitions, $d" "$ADDR"; fi
   if [[ $d == fsync ]]; then e2e "3 brokers, RF 3, $d" "$ADDR"; fi
   peer "3 brokers, RF 3, $d" "$ADDR"
   stop_all
@@ -161,8 +196,8 @@ done
   echo
   echo "\`courier-bench create --concurrency C\`: C producers, each with one create in flight."
   echo
-  echo "| topology | load | p50 ms | p99 ms | p99.9 ms | max ms | creates/s | errors |"
-  echo "|---|---|---|---|---|---|---|---|"
+  echo "| topology | load | p50 ms | p99 ms | p99.9 ms | max ms | creates/s | errors | server CPU (cores) |"
+  echo "|---|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${ROWS[@]}"
   echo
   echo "## Create-to-handler latency: push against long polling"
@@ -171,11 +206,15 @@ done
   echo "creation; the worker's handler records when it has the job. Push workers hold a"
   echo "\`StreamActivatedJobs\` stream; poll workers long-poll \`ActivateJobs\` (32 jobs, 10 s)"
   echo "as Zeebe's clients do. Unloaded: one job at a time. Loaded: open loop, 8 workers."
+  echo "Full lifecycle: closed loop (\`--in-flight 256\`), each job that reaches a handler lets"
+  echo "the next be created; handlers complete every job; the rate is the lifecycle's throughput."
   echo "The first row of each topology is the create acknowledgement (one Raft commit),"
-  echo "measured in the same run. Columns as above (rate = jobs handled per second)."
+  echo "measured in the same run. Columns as above (rate = jobs handled per second). Server"
+  echo "CPU: user + system time of the brokers and the gateway (or the \`courier dev\` process)"
+  echo "during the row, over the row's wall time, in cores (the machine has $(nproc))."
   echo
-  echo "| topology | scenario | p50 ms | p99 ms | p99.9 ms | max ms | jobs/s | errors |"
-  echo "|---|---|---|---|---|---|---|---|"
+  echo "| topology | scenario | p50 ms | p99 ms | p99.9 ms | max ms | jobs/s | errors | server CPU (cores) |"
+  echo "|---|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${E2E[@]}"
   echo
   echo "| topology | unloaded push p50 / commit p50 | unloaded poll p50 / push p50 | 1000/s poll p99 / push p99 |"
@@ -199,8 +238,8 @@ done
   echo "JetStream, below 1 Courier is faster. Targets: replicated no worse (<= 1.00) on p50 and p99 at"
   echo "1,000 and 5,000 jobs/s; fsync within 1.30."
   echo
-  echo "| topology | scenario | p50 ms | p99 ms | p99.9 ms | max ms | jobs/s | errors | p50 / JetStream | p99 / JetStream |"
-  echo "|---|---|---|---|---|---|---|---|---|---|"
+  echo "| topology | scenario | p50 ms | p99 ms | p99.9 ms | max ms | jobs/s | errors | server CPU (cores) | p50 / JetStream | p99 / JetStream |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${PEER[@]}"
   echo
   echo "## Flow control"
@@ -214,5 +253,20 @@ done
   echo "| topology | scenario | outcome | bounds | notes | yields / pushes | gateway RSS max |"
   echo "|---|---|---|---|---|---|---|"
   printf '%s\n' "${FLOWS[@]}"
+  if [[ ${#MICRO[@]} -gt 0 ]]; then
+    echo
+    echo "## Micro-benchmarks of the broker's hot path"
+    echo
+    echo "\`cargo bench -p courier-broker --bench hot_path -- --warm-up-time 1 --measurement-time 3\`"
+    echo "(criterion; crates/broker/benches/hot_path.rs). One iteration: the engine applying a"
+    echo "64-job create entry (activated inline for a stream) and the entry completing them, or a"
+    echo "back-fill of 64 from a 10,000-job backlog; a registry lookup (with the refund of the"
+    echo "credit it held) and a miss; the log append of one 64-create entry, encoded and written,"
+    echo "and with the fdatasync that makes it durable."
+    echo
+    echo "| benchmark | µs per iteration |"
+    echo "|---|---|"
+    printf '%s\n' "${MICRO[@]}"
+  fi
 } > benchmarks/RESULTS.md
 cat benchmarks/RESULTS.md
