@@ -3,11 +3,12 @@
 //! Workers either stream (`StreamActivatedJobs`, job push) or long-poll
 //! (`ActivateJobs`, 32 jobs, 10 s), as Zeebe's clients do.
 
+use crate::drive::{self, now_us, Seen, Window};
 use crate::{histogram, payload, Outcome};
 use anyhow::Context;
 use courier_client::{ActivateJobs, Client, NewJob};
 use courier_proto::gateway_protocol::{gateway_client::GatewayClient, StreamActivatedJobsRequest};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 /// How workers get their jobs.
@@ -44,21 +45,11 @@ pub struct E2eArgs {
     pub payload: usize,
 }
 
-fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_micros() as u64)
-        .unwrap_or(0)
-}
-
 /// The creation time a job carries, from its variables `{"t":<µs>,...}`.
 fn created_us(variables: &str) -> Option<u64> {
     let v: serde_json::Value = serde_json::from_str(variables).ok()?;
     v.get("t")?.as_u64()
 }
-
-/// Latencies (µs) seen by handlers, with the job's creation time.
-type Seen = mpsc::UnboundedSender<(u64, u64)>;
 
 async fn push_worker(
     address: String,
@@ -138,9 +129,8 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
         .trim_start_matches("{\"p\":\"")
         .trim_end_matches("\"}")
         .to_string();
-    let start = Instant::now();
-    let measure_from_us = now_us() + a.warmup * 1_000_000;
-    let until = start + Duration::from_secs(a.warmup + a.duration);
+    let w = Window::new(a.warmup, a.duration);
+    let (until, measure_from_us) = (w.until, w.measure_from_us);
     let mut h = histogram()?;
     let mut errors = 0u64;
     let load = match (a.rate, a.in_flight) {
@@ -199,57 +189,23 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
             )
         }
         (None, None) => {
-            // One job at a time: create it, wait until a handler has it.
-            while Instant::now() < until {
-                if client.create_job(job(&job_type, &pad)).await.is_err() {
-                    errors += 1;
-                    continue;
-                }
-                match tokio::time::timeout(Duration::from_secs(15), rx.recv()).await {
-                    Ok(Some((t, lat))) if t >= measure_from_us => h.saturating_record(lat),
-                    Ok(Some(_)) => {}
-                    _ => errors += 1,
-                }
-            }
+            errors += drive::unloaded(&w, &mut rx, &mut h, || {
+                client.create_job(job(&job_type, &pad))
+            })
+            .await;
             "unloaded, 1 job at a time".to_string()
         }
         (Some(rate), _) => {
-            let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
-            let mut n = 0u64;
-            let mut expected = 0u64;
-            loop {
-                let due = start + interval.mul_f64(n as f64);
-                if due >= until {
-                    break;
-                }
-                tokio::time::sleep_until(due.into()).await;
+            errors += drive::open_loop(&w, rate, &mut rx, &mut h, || {
                 let (c, t, p) = (client.clone(), job_type.clone(), pad.clone());
                 tokio::spawn(async move { c.create_job(job(&t, &p)).await });
-                n += 1;
-                if now_us() >= measure_from_us {
-                    expected += 1;
-                }
-                while let Ok((t, lat)) = rx.try_recv() {
-                    if t >= measure_from_us {
-                        h.saturating_record(lat);
-                    }
-                }
-            }
-            // The stragglers, for a bounded time.
-            let drain_until = Instant::now() + Duration::from_secs(15);
-            while h.len() < expected && Instant::now() < drain_until {
-                match tokio::time::timeout(Duration::from_millis(500), rx.recv()).await {
-                    Ok(Some((t, lat))) if t >= measure_from_us => h.saturating_record(lat),
-                    Ok(Some(_)) => {}
-                    _ => {}
-                }
-            }
-            errors += expected.saturating_sub(h.len());
+            })
+            .await;
             format!("{rate} jobs/s, {} workers", a.workers)
         }
     };
-    for w in workers {
-        w.abort();
+    for worker in workers {
+        worker.abort();
     }
     crate::report(
         &a.label,

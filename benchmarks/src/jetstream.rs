@@ -10,6 +10,7 @@
 //! `--publish-only`: publish-acknowledged latency one at a time, the analogue of
 //! Courier's `create --concurrency 1` (one Raft commit).
 
+use crate::drive::{self, now_us, Seen, Window};
 use crate::{histogram, payload, Outcome};
 use anyhow::{anyhow, Context as _};
 use async_nats::jetstream::{
@@ -18,7 +19,7 @@ use async_nats::jetstream::{
     stream::{self, RetentionPolicy, StorageType},
 };
 use futures::StreamExt;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 /// Which server the benchmark's clients (publisher and workers) connect to.
@@ -86,13 +87,6 @@ pub struct JetStreamArgs {
     pub replicas: usize,
 }
 
-fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_micros() as u64)
-        .unwrap_or(0)
-}
-
 fn created_us(body: &[u8]) -> Option<u64> {
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
     v.get("t")?.as_u64()
@@ -117,8 +111,6 @@ async fn publish(js: &jetstream::Context, subject: &str, pad: &str) -> anyhow::R
         .await?;
     Ok(())
 }
-
-type Seen = mpsc::UnboundedSender<(u64, u64)>;
 
 async fn worker(
     url: String,
@@ -372,66 +364,25 @@ async fn measure(
     // As `e2e`, let the subscriptions settle (interest propagates to the consumer leader).
     tokio::time::sleep(Duration::from_millis(500)).await;
 
-    let start = Instant::now();
-    let measure_from_us = now_us() + a.warmup * 1_000_000;
-    let until = start + Duration::from_secs(a.warmup + a.duration);
+    let w = Window::new(a.warmup, a.duration);
     let mut h = histogram()?;
     let mut errors = 0u64;
     let load = match a.rate {
         None => {
-            // One job at a time: publish it, wait until a handler has it.
-            while Instant::now() < until {
-                if publish(&js, subject, &pad).await.is_err() {
-                    errors += 1;
-                    continue;
-                }
-                match tokio::time::timeout(Duration::from_secs(15), rx.recv()).await {
-                    Ok(Some((t, lat))) if t >= measure_from_us => h.saturating_record(lat),
-                    Ok(Some(_)) => {}
-                    _ => errors += 1,
-                }
-            }
+            errors += drive::unloaded(&w, &mut rx, &mut h, || publish(&js, subject, &pad)).await;
             "push unloaded, 1 job at a time".to_string()
         }
         Some(rate) => {
-            let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
-            let mut n = 0u64;
-            let mut expected = 0u64;
-            loop {
-                let due = start + interval.mul_f64(n as f64);
-                if due >= until {
-                    break;
-                }
-                tokio::time::sleep_until(due.into()).await;
+            errors += drive::open_loop(&w, rate, &mut rx, &mut h, || {
                 let (js, s, p) = (js.clone(), subject.to_string(), pad.clone());
                 tokio::spawn(async move { publish(&js, &s, &p).await });
-                n += 1;
-                if now_us() >= measure_from_us {
-                    expected += 1;
-                }
-                while let Ok((t, lat)) = rx.try_recv() {
-                    if t >= measure_from_us {
-                        h.saturating_record(lat);
-                    }
-                }
-            }
-            // The stragglers, for a bounded time.
-            let drain_until = Instant::now() + Duration::from_secs(15);
-            while h.len() < expected && Instant::now() < drain_until {
-                if let Ok(Some((t, lat))) =
-                    tokio::time::timeout(Duration::from_millis(500), rx.recv()).await
-                {
-                    if t >= measure_from_us {
-                        h.saturating_record(lat);
-                    }
-                }
-            }
-            errors += expected.saturating_sub(h.len());
+            })
+            .await;
             format!("push {rate} jobs/s, {} workers", a.workers)
         }
     };
-    for w in workers {
-        w.abort();
+    for worker in workers {
+        worker.abort();
     }
     crate::report(
         &a.label,

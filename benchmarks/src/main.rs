@@ -13,6 +13,7 @@
 //!
 //! Results print as one markdown table row and, with `--json`, as JSON.
 
+mod drive;
 mod e2e;
 mod flow;
 mod jetstream;

@@ -1,0 +1,109 @@
+//! The load drivers `e2e` (Courier) and `jetstream` (the peer) share, so both systems
+//! are driven by the same code: one job at a time, or open loop at a fixed rate.
+//! Handlers report `(creation time µs, latency µs)` on a channel; a job counts when
+//! it was created after the warm-up.
+
+use hdrhistogram::Histogram;
+use std::future::Future;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc;
+
+/// Where handlers report `(creation time µs, latency µs)`.
+pub type Seen = mpsc::UnboundedSender<(u64, u64)>;
+
+/// Wall-clock µs since the epoch: what a job carries as its creation time.
+pub fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+/// A run's time: `warmup` seconds from now, then `duration` measured.
+pub struct Window {
+    pub start: Instant,
+    pub until: Instant,
+    /// Jobs created from then on are measured.
+    pub measure_from_us: u64,
+}
+
+impl Window {
+    pub fn new(warmup: u64, duration: u64) -> Window {
+        let start = Instant::now();
+        Window {
+            start,
+            until: start + Duration::from_secs(warmup + duration),
+            measure_from_us: now_us() + warmup * 1_000_000,
+        }
+    }
+
+    fn record(&self, h: &mut Histogram<u64>, (created, latency): (u64, u64)) {
+        if created >= self.measure_from_us {
+            h.saturating_record(latency);
+        }
+    }
+}
+
+/// One job at a time: `send` it, wait until a handler has it. Returns the errors
+/// (sends that failed, jobs no handler reported within 15 s).
+pub async fn unloaded<F, Fut, T, E>(
+    w: &Window,
+    rx: &mut mpsc::UnboundedReceiver<(u64, u64)>,
+    h: &mut Histogram<u64>,
+    mut send: F,
+) -> u64
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let mut errors = 0;
+    while Instant::now() < w.until {
+        if send().await.is_err() {
+            errors += 1;
+            continue;
+        }
+        match tokio::time::timeout(Duration::from_secs(15), rx.recv()).await {
+            Ok(Some(seen)) => w.record(h, seen),
+            _ => errors += 1,
+        }
+    }
+    errors
+}
+
+/// Open loop: `spawn_send` is called `rate` times a second (each call starts one
+/// send and does not wait for it), then the stragglers are awaited for at most
+/// 15 s. Returns the errors: jobs sent in the measured window that no handler
+/// reported.
+pub async fn open_loop<F: FnMut()>(
+    w: &Window,
+    rate: u64,
+    rx: &mut mpsc::UnboundedReceiver<(u64, u64)>,
+    h: &mut Histogram<u64>,
+    mut spawn_send: F,
+) -> u64 {
+    let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
+    let mut n = 0u64;
+    let mut expected = 0u64;
+    loop {
+        let due = w.start + interval.mul_f64(n as f64);
+        if due >= w.until {
+            break;
+        }
+        tokio::time::sleep_until(due.into()).await;
+        spawn_send();
+        n += 1;
+        if now_us() >= w.measure_from_us {
+            expected += 1;
+        }
+        while let Ok(seen) = rx.try_recv() {
+            w.record(h, seen);
+        }
+    }
+    let drain_until = Instant::now() + Duration::from_secs(15);
+    while h.len() < expected && Instant::now() < drain_until {
+        if let Ok(Some(seen)) = tokio::time::timeout(Duration::from_millis(500), rx.recv()).await {
+            w.record(h, seen);
+        }
+    }
+    expected.saturating_sub(h.len())
+}
