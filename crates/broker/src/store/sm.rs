@@ -324,6 +324,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
 /// building never holds the state lock: apply (and so every commit) goes on while
 /// a large state is written out. Jobs and last-applied are stored in one atomic
 /// batch, so what the fjall snapshot sees is one consistent applied state.
+#[derive(Clone)]
 pub struct SnapshotBuilder {
     db: Db,
     jobs: Keyspace,
@@ -333,7 +334,18 @@ pub struct SnapshotBuilder {
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
+    /// On a blocking thread: writing out a large state takes a while, and on a
+    /// runtime worker it would stall every task queued behind it (commits, pushes).
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
+        let builder = self.clone();
+        tokio::task::spawn_blocking(move || builder.build())
+            .await
+            .map_err(write_err)?
+    }
+}
+
+impl SnapshotBuilder {
+    fn build(&self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
         use fjall::Readable;
         let view = self.db.database().snapshot();
         let get = |k: &[u8]| view.get(&self.meta, k).map_err(read_err);
