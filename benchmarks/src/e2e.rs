@@ -198,7 +198,13 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
         (Some(rate), _) => {
             errors += drive::open_loop(&w, rate, &mut rx, &mut h, || {
                 let (c, t, p) = (client.clone(), job_type.clone(), pad.clone());
-                tokio::spawn(async move { c.create_job(job(&t, &p)).await });
+                tokio::spawn(async move {
+                    // Counted as an error when no handler reports the job; said here
+                    // so a missing job can be told from a failed create.
+                    if let Err(e) = c.create_job(job(&t, &p)).await {
+                        eprintln!("e2e: create failed: {e}");
+                    }
+                });
             })
             .await;
             format!("{rate} jobs/s, {} workers", a.workers)

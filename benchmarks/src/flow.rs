@@ -3,12 +3,60 @@
 //! (`courier-max-jobs-active`) and spend a fixed time per job, so the workers'
 //! combined capacity is known exactly and throughput can be set against it.
 
+use crate::drive::now_us;
 use anyhow::Context;
 use courier_client::{ActivateJobs, Client, NewJob};
 use courier_proto::gateway_protocol::{gateway_client::GatewayClient, StreamActivatedJobsRequest};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// The creation time a probe job carries, from its variables `{"t":<µs>}`.
+fn created_us(variables: &str) -> Option<u64> {
+    let v: serde_json::Value = serde_json::from_str(variables).ok()?;
+    v.get("t")?.as_u64()
+}
+
+/// Push latency once the backlog is gone: `n` jobs carrying their creation time,
+/// one at a time, each created when the previous one reached a handler. Returns
+/// (p50, p99) in ms.
+async fn probe(
+    client: &Client,
+    job_type: &str,
+    ws: &[Worker],
+    n: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let seen = |ws: &[Worker]| -> usize {
+        ws.iter()
+            .map(|w| w.latencies.lock().unwrap_or_else(|e| e.into_inner()).len())
+            .sum()
+    };
+    let before = seen(ws);
+    for i in 0..n {
+        let job = NewJob::new(job_type).variables(format!("{{\"t\":{}}}", now_us()).as_str());
+        client.create_job(job).await?;
+        let t0 = Instant::now();
+        while seen(ws) < before + i + 1 {
+            anyhow::ensure!(
+                t0.elapsed() < Duration::from_secs(30),
+                "a probe job was not pushed"
+            );
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+    }
+    let mut all: Vec<u64> = ws
+        .iter()
+        .flat_map(|w| {
+            w.latencies
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+        })
+        .collect();
+    all.sort_unstable();
+    let at = |q: f64| all[((all.len() - 1) as f64 * q).round() as usize] as f64 / 1000.0;
+    Ok((at(0.50), at(0.99)))
+}
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Scenario {
@@ -48,6 +96,8 @@ pub struct FlowArgs {
 struct Worker {
     max_held: Arc<AtomicUsize>,
     done: Arc<AtomicU64>,
+    /// Create-to-handler latencies (µs) of jobs that carry their creation time.
+    latencies: Arc<std::sync::Mutex<Vec<u64>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -76,16 +126,24 @@ async fn stream_worker(
     req.metadata_mut()
         .insert("courier-max-jobs-active", credit.to_string().parse()?);
     let mut stream = g.stream_activated_jobs(req).await?.into_inner();
+    let latencies = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let lat = latencies.clone();
     let held = Arc::new(AtomicUsize::new(0));
     let max_held = Arc::new(AtomicUsize::new(0));
     let done = Arc::new(AtomicU64::new(0));
     let (h, m, d) = (held.clone(), max_held.clone(), done.clone());
     let task = tokio::spawn(async move {
         while let Ok(Some(job)) = stream.message().await {
+            if let Some(t) = created_us(&job.variables) {
+                lat.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(now_us().saturating_sub(t));
+            }
             handle(job.key, work, &client, &h, &m, &d);
         }
     });
     Ok(Worker {
+        latencies,
         max_held,
         done,
         task,
@@ -144,6 +202,7 @@ fn poll_worker(job_type: &str, credit: usize, work: Duration, client: Client) ->
     Worker {
         max_held,
         done,
+        latencies: Arc::default(),
         task,
     }
 }
@@ -316,14 +375,16 @@ pub async fn run(a: FlowArgs) -> anyhow::Result<()> {
             }
             let created_for = t0.elapsed();
             let drained = drain(&ws, created, Duration::from_secs(600)).await;
+            let lost = created.saturating_sub(total_done(&ws));
+            let (p50, p99) = probe(&client, &job_type, &ws, 100).await?;
             format!(
-                "| {} | overload: {created} jobs in {:.0} s at {:.0}/s for 4 workers of {:.0}/s | backlog drained {} after creation stopped, {} lost | max held {} (credit {credit}); gateway in-flight max {max_inflight:.0} jobs |",
+                "| {} | overload: {created} jobs in {:.0} s at {:.0}/s for 4 workers of {:.0}/s | backlog drained {} after creation stopped, {} lost; then push p50 {p50:.2} ms, p99 {p99:.2} ms (100 jobs, 1 at a time) | max held {} (credit {credit}); gateway in-flight max {max_inflight:.0} jobs |",
                 a.label,
                 created_for.as_secs_f64(),
                 created as f64 / created_for.as_secs_f64(),
                 capacity,
                 drained.map_or("NOT".to_string(), |d| format!("in {:.1} s", d.as_secs_f64())),
-                created.saturating_sub(total_done(&ws)),
+                lost,
                 max_held(&ws)
             )
         }

@@ -375,7 +375,11 @@ async fn measure(
         Some(rate) => {
             errors += drive::open_loop(&w, rate, &mut rx, &mut h, || {
                 let (js, s, p) = (js.clone(), subject.to_string(), pad.clone());
-                tokio::spawn(async move { publish(&js, &s, &p).await });
+                tokio::spawn(async move {
+                    if let Err(e) = publish(&js, &s, &p).await {
+                        eprintln!("jetstream: publish failed: {e:#}");
+                    }
+                });
             })
             .await;
             format!("push {rate} jobs/s, {} workers", a.workers)
