@@ -250,7 +250,8 @@ done
   echo "(fsync). Workers are streams stating their credit and spending a fixed time per job,"
   echo "so their combined capacity is known; yields and pushes are read from the brokers'"
   echo "/metrics. Slow: ${FLOW} s with a backlog always waiting. Overload: ${FLOW} s of creation"
-  echo "at 5 times capacity, then the drain. Burst: ${BURST} jobs with no worker, then 10 workers."
+  echo "at 5 times capacity, then the drain, then 100 jobs one at a time for the push latency"
+  echo "once the backlog is gone. Burst: ${BURST} jobs with no worker, then 10 workers."
   echo
   echo "| topology | scenario | outcome | bounds | notes | yields / pushes | gateway RSS max |"
   echo "|---|---|---|---|---|---|---|"
