@@ -26,10 +26,32 @@ pub async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
     LOCK.lock().await
 }
 
-/// A free loopback port (bound, then released for the process to take).
+/// A free loopback port for a process to listen on, handed out once per test process.
+///
+/// Taken below Linux's ephemeral range (32768-60999), never from it: a port the kernel
+/// picked for us and we released can be given again as the local port of an outgoing
+/// connection (a broker dialling its peers) before the process we meant it for binds it,
+/// and that process then fails with "address in use" (seen in CI: a cluster started
+/// with two brokers out of three).
 pub fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
-    l.local_addr().expect("local addr").port()
+    use std::sync::atomic::{AtomicU16, Ordering};
+    // Where this process starts in the range, so concurrent test binaries rarely meet.
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    const LOW: u16 = 20_000;
+    const SPAN: u16 = 12_000;
+    let _ = NEXT.compare_exchange(
+        0,
+        (std::process::id() % u32::from(SPAN)) as u16 + 1,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+    for _ in 0..SPAN {
+        let port = LOW + NEXT.fetch_add(1, Ordering::SeqCst) % SPAN;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port between {LOW} and {}", LOW + SPAN)
 }
 
 /// How a test cluster is set up.
@@ -163,6 +185,19 @@ impl Cluster {
         }
         c.start_gateway(0);
         c.wait_for_leaders(Duration::from_secs(20)).await;
+        // A majority elects leaders: make sure no broker failed to start.
+        let ids: Vec<u64> = c.broker_addrs.keys().copied().collect();
+        for id in ids {
+            wait_until(
+                Duration::from_secs(20),
+                &format!("broker {id} answers"),
+                || {
+                    let c = &c;
+                    async move { c.broker_topology(id).await.is_some() }
+                },
+            )
+            .await;
+        }
         c
     }
 
