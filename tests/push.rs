@@ -355,7 +355,10 @@ async fn a_killed_gateway_is_dropped_at_once_and_workers_move_to_another() {
     let mut cluster = Cluster::start(ClusterOpts::default()).await;
     let other = cluster.add_gateway();
     let c = cluster.client_of(other);
-    let stream = open_stream(&cluster.gateway_addr, "moving", Duration::from_secs(2)).await;
+    // A timeout the first jobs cannot reach while the worker completes them one by one
+    // (slow in a loaded CI run): one timing out would be pushed again, and that push
+    // could be on its way when the gateway is killed.
+    let stream = open_stream(&cluster.gateway_addr, "moving", Duration::from_secs(10)).await;
     wait_registered(&cluster, 3.0).await;
     let (got, _t) = completing_worker(c.clone(), stream);
     let mut keys = Vec::new();
