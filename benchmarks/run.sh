@@ -76,7 +76,7 @@ e2e() { # label address
     pollt=$("${e[@]}" --mode poll --workers 8 --in-flight 256)
     E2E+=("$pusht" "$pollt")
   fi
-  RATIOS+=("| $1 | $(awk -v a="$(col "$push1" 4)" -v b="$(col "$commit" 4)" 'BEGIN{printf "%.2f", a/b}') | $(awk -v a="$(col "$poll1" 4)" -v b="$(col "$push1" 4)" 'BEGIN{printf "%.2f", a/b}') | $(awk -v a="$(col "$pollr" 5)" -v b="$(col "$pushr" 5)" 'BEGIN{printf "%.2f", a/b}') |")
+  RATIOS+=("| $1 | $(awk -v a="$(col "$push1" 4)" -v b="$(col "$commit" 4)" 'BEGIN{printf "%.2f", a/b}') | $(awk -v a="$(col "$poll1" 4)" -v b="$(col "$push1" 4)" 'BEGIN{printf "%.2f", a/b}') | $(awk -v a="$(col "$pollr" 6)" -v b="$(col "$pushr" 6)" 'BEGIN{printf "%.2f", a/b}') |")
 }
 
 start_dev() { # durability [data-dir tag: a fresh process per tag]
@@ -110,7 +110,7 @@ start_cluster() { # durability [data-dir tag: a fresh cluster per tag]
 # speed does not favour one side. Courier rows carry the ratio Courier / JetStream.
 PEER=()
 vs() { # courier-row jetstream-row -> "p50 ratio | p99 ratio"
-  awk -v a="$(col "$1" 4)" -v b="$(col "$2" 4)" -v c="$(col "$1" 5)" -v d="$(col "$2" 5)" \
+  awk -v a="$(col "$1" 4)" -v b="$(col "$2" 4)" -v c="$(col "$1" 6)" -v d="$(col "$2" 6)" \
     'BEGIN{printf "%.2f | %.2f", (b>0?a/b:0), (d>0?c/d:0)}'
 }
 peer() { # label address
@@ -198,8 +198,8 @@ done
   echo
   echo "\`courier-bench create --concurrency C\`: C producers, each with one create in flight."
   echo
-  echo "| topology | load | p50 ms | p99 ms | p99.9 ms | max ms | creates/s | errors | server CPU (cores) |"
-  echo "|---|---|---|---|---|---|---|---|---|"
+  echo "| topology | load | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms | creates/s | errors | server CPU (cores) |"
+  echo "|---|---|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${ROWS[@]}"
   echo
   echo "## Create-to-handler latency: push against long polling"
@@ -215,8 +215,8 @@ done
   echo "CPU: user + system time of the brokers and the gateway (or the \`courier dev\` process)"
   echo "during the row, over the row's wall time, in cores (the machine has $(nproc))."
   echo
-  echo "| topology | scenario | p50 ms | p99 ms | p99.9 ms | max ms | jobs/s | errors | server CPU (cores) |"
-  echo "|---|---|---|---|---|---|---|---|---|"
+  echo "| topology | scenario | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms | jobs/s | errors | server CPU (cores) |"
+  echo "|---|---|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${E2E[@]}"
   echo
   echo "| topology | unloaded push p50 / commit p50 | unloaded poll p50 / push p50 | 1000/s poll p99 / push p99 |"
@@ -240,8 +240,8 @@ done
   echo "JetStream, below 1 Courier is faster. Targets: replicated no worse (<= 1.00) on p50 and p99 at"
   echo "1,000 and 5,000 jobs/s; fsync within 1.30."
   echo
-  echo "| topology | scenario | p50 ms | p99 ms | p99.9 ms | max ms | jobs/s | errors | server CPU (cores) | p50 / JetStream | p99 / JetStream |"
-  echo "|---|---|---|---|---|---|---|---|---|---|---|"
+  echo "| topology | scenario | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms | jobs/s | errors | server CPU (cores) | p50 / JetStream | p99 / JetStream |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${PEER[@]}"
   echo
   echo "## Flow control"

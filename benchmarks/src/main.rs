@@ -98,8 +98,9 @@ pub(crate) struct Outcome {
 pub(crate) fn report(label: &str, load: &str, o: &Outcome) {
     let h = &o.latency;
     println!(
-        "| {label} | {load} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} | {} |",
+        "| {label} | {load} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} | {} |",
         ms(h.value_at_quantile(0.5)),
+        ms(h.value_at_quantile(0.9)),
         ms(h.value_at_quantile(0.99)),
         ms(h.value_at_quantile(0.999)),
         ms(h.max()),
