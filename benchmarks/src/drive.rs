@@ -19,6 +19,12 @@ pub fn now_us() -> u64 {
         .unwrap_or(0)
 }
 
+/// The creation time a job carries in its body or variables, `{"t":<µs>,...}`.
+pub fn created_us(body: &[u8]) -> Option<u64> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    v.get("t")?.as_u64()
+}
+
 /// A run's time: `warmup` seconds from now, then `duration` measured.
 pub struct Window {
     pub start: Instant,
@@ -70,17 +76,22 @@ where
     errors
 }
 
-/// Open loop: `spawn_send` is called `rate` times a second (each call starts one
-/// send and does not wait for it), then the stragglers are awaited for at most
-/// 15 s. Returns the errors: jobs sent in the measured window that no handler
-/// reported.
-pub async fn open_loop<F: FnMut()>(
+/// Open loop: `rate` sends a second, each a task of its own (a send that fails
+/// is said on stderr, so a missing job can be told from a failed send), then the
+/// stragglers are awaited for at most 15 s. Returns the errors: jobs sent in the
+/// measured window that no handler reported.
+pub async fn open_loop<F, Fut, T, E>(
     w: &Window,
     rate: u64,
     rx: &mut mpsc::UnboundedReceiver<(u64, u64)>,
     h: &mut Histogram<u64>,
-    mut spawn_send: F,
-) -> u64 {
+    mut send: F,
+) -> u64
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>> + Send + 'static,
+    E: std::fmt::Display,
+{
     let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
     let mut n = 0u64;
     let mut expected = 0u64;
@@ -90,7 +101,12 @@ pub async fn open_loop<F: FnMut()>(
             break;
         }
         tokio::time::sleep_until(due.into()).await;
-        spawn_send();
+        let sent = send();
+        tokio::spawn(async move {
+            if let Err(e) = sent.await {
+                eprintln!("send failed: {e}");
+            }
+        });
         n += 1;
         if now_us() >= w.measure_from_us {
             expected += 1;

@@ -3,7 +3,7 @@
 //! Workers either stream (`StreamActivatedJobs`, job push) or long-poll
 //! (`ActivateJobs`, 32 jobs, 10 s), as Zeebe's clients do.
 
-use crate::drive::{self, now_us, Seen, Window};
+use crate::drive::{self, created_us, now_us, Seen, Window};
 use crate::{histogram, payload, Outcome};
 use anyhow::Context;
 use courier_client::{ActivateJobs, Client, NewJob};
@@ -45,12 +45,6 @@ pub struct E2eArgs {
     pub payload: usize,
 }
 
-/// The creation time a job carries, from its variables `{"t":<µs>,...}`.
-fn created_us(variables: &str) -> Option<u64> {
-    let v: serde_json::Value = serde_json::from_str(variables).ok()?;
-    v.get("t")?.as_u64()
-}
-
 async fn push_worker(
     address: String,
     job_type: String,
@@ -69,7 +63,7 @@ async fn push_worker(
         .await?
         .into_inner();
     while let Some(job) = stream.message().await? {
-        if let Some(t) = created_us(&job.variables) {
+        if let Some(t) = created_us(job.variables.as_bytes()) {
             let _ = seen.send((t, now_us().saturating_sub(t)));
         }
         let c = client.clone();
@@ -87,7 +81,7 @@ async fn poll_worker(job_type: String, client: Client, seen: Seen) -> anyhow::Re
     loop {
         let jobs = client.activate_jobs(req.clone()).await?;
         for job in jobs {
-            if let Some(t) = created_us(&job.variables) {
+            if let Some(t) = created_us(job.variables.as_bytes()) {
                 let _ = seen.send((t, now_us().saturating_sub(t)));
             }
             let c = client.clone();
@@ -130,7 +124,6 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
         .trim_end_matches("\"}")
         .to_string();
     let w = Window::new(a.warmup, a.duration);
-    let (until, measure_from_us) = (w.until, w.measure_from_us);
     let mut h = histogram()?;
     let mut errors = 0u64;
     let load = match (a.rate, a.in_flight) {
@@ -146,7 +139,7 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
                     create_errors.clone(),
                 );
                 tokio::spawn(async move {
-                    while Instant::now() < until {
+                    while Instant::now() < w.until {
                         let Ok(permit) = permits.clone().acquire_owned().await else {
                             return;
                         };
@@ -169,12 +162,12 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
                     }
                 })
             };
-            while Instant::now() < until {
-                let left = until.saturating_duration_since(Instant::now());
+            while Instant::now() < w.until {
+                let left = w.until.saturating_duration_since(Instant::now());
                 match tokio::time::timeout(left, rx.recv()).await {
                     Ok(Some((t, lat))) => {
                         permits.add_permits(1);
-                        if t >= measure_from_us {
+                        if t >= w.measure_from_us {
                             h.saturating_record(lat);
                         }
                     }
@@ -197,14 +190,8 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
         }
         (Some(rate), _) => {
             errors += drive::open_loop(&w, rate, &mut rx, &mut h, || {
-                let (c, t, p) = (client.clone(), job_type.clone(), pad.clone());
-                tokio::spawn(async move {
-                    // Counted as an error when no handler reports the job; said here
-                    // so a missing job can be told from a failed create.
-                    if let Err(e) = c.create_job(job(&t, &p)).await {
-                        eprintln!("e2e: create failed: {e}");
-                    }
-                });
+                let (c, j) = (client.clone(), job(&job_type, &pad));
+                async move { c.create_job(j).await }
             })
             .await;
             format!("{rate} jobs/s, {} workers", a.workers)

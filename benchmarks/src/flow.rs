@@ -3,19 +3,13 @@
 //! (`courier-max-jobs-active`) and spend a fixed time per job, so the workers'
 //! combined capacity is known exactly and throughput can be set against it.
 
-use crate::drive::now_us;
+use crate::drive::{created_us, now_us};
 use anyhow::Context;
 use courier_client::{ActivateJobs, Client, NewJob};
 use courier_proto::gateway_protocol::{gateway_client::GatewayClient, StreamActivatedJobsRequest};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// The creation time a probe job carries, from its variables `{"t":<µs>}`.
-fn created_us(variables: &str) -> Option<u64> {
-    let v: serde_json::Value = serde_json::from_str(variables).ok()?;
-    v.get("t")?.as_u64()
-}
 
 /// Push latency once the backlog is gone: `n` jobs carrying their creation time,
 /// one at a time, each created when the previous one reached a handler. Returns
@@ -134,7 +128,7 @@ async fn stream_worker(
     let (h, m, d) = (held.clone(), max_held.clone(), done.clone());
     let task = tokio::spawn(async move {
         while let Ok(Some(job)) = stream.message().await {
-            if let Some(t) = created_us(&job.variables) {
+            if let Some(t) = created_us(job.variables.as_bytes()) {
                 lat.lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .push(now_us().saturating_sub(t));

@@ -10,7 +10,7 @@
 //! `--publish-only`: publish-acknowledged latency one at a time, the analogue of
 //! Courier's `create --concurrency 1` (one Raft commit).
 
-use crate::drive::{self, now_us, Seen, Window};
+use crate::drive::{self, created_us, now_us, Seen, Window};
 use crate::{histogram, payload, Outcome};
 use anyhow::{anyhow, Context as _};
 use async_nats::jetstream::{
@@ -85,11 +85,6 @@ pub struct JetStreamArgs {
     pub retention: Retention,
     #[arg(long, default_value_t = 3)]
     pub replicas: usize,
-}
-
-fn created_us(body: &[u8]) -> Option<u64> {
-    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
-    v.get("t")?.as_u64()
 }
 
 fn body(pad: &str) -> String {
@@ -375,11 +370,7 @@ async fn measure(
         Some(rate) => {
             errors += drive::open_loop(&w, rate, &mut rx, &mut h, || {
                 let (js, s, p) = (js.clone(), subject.to_string(), pad.clone());
-                tokio::spawn(async move {
-                    if let Err(e) = publish(&js, &s, &p).await {
-                        eprintln!("jetstream: publish failed: {e:#}");
-                    }
-                });
+                async move { publish(&js, &s, &p).await.map_err(|e| format!("{e:#}")) }
             })
             .await;
             format!("push {rate} jobs/s, {} workers", a.workers)

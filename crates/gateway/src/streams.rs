@@ -729,20 +729,15 @@ impl State {
         let (lease, deadline_ms) = (b.lease, b.job.deadline);
         let client_id = match self.offer(stream_id, b) {
             Ok(client_id) => client_id,
-            Err((b, CLIENTS_FULL))
-                if self.streams.get(&stream_id).is_some_and(|s| s.spare_fits()) =>
-            {
-                if let Some(s) = self.streams.get_mut(&stream_id) {
-                    s.spare.push_back(b);
-                    s.spared += 1;
+            Err((b, reason)) => {
+                // No client has credit: the spare room takes it, if there is room.
+                if reason == CLIENTS_FULL && self.put_spare(stream_id, b).is_ok() {
+                    SPARE
+                } else {
+                    // The broker thought there was credit: correct its view.
+                    self.dirty.insert(stream_id);
+                    return Err(reason);
                 }
-                metrics::spare_jobs(1);
-                SPARE
-            }
-            Err((_, reason)) => {
-                // The broker thought there was credit: correct its view.
-                self.dirty.insert(stream_id);
-                return Err(reason);
             }
         };
         let timeout_ms = self
@@ -778,22 +773,37 @@ impl State {
     /// there is no room (or no client), releases it and yields it to its broker.
     /// True when kept.
     fn keep_spare(&mut self, stream_id: u64, key: i64, b: Buffered, reason: &'static str) -> bool {
-        let Some(s) = self
+        match self.put_spare(stream_id, b) {
+            Ok(()) => {
+                if let Some(h) = self.held.get_mut(&key) {
+                    h.client_id = SPARE;
+                }
+                true
+            }
+            Err(b) => {
+                self.release(key);
+                self.yield_job(b, reason);
+                false
+            }
+        }
+    }
+
+    /// Puts a job in its stream's spare room when the stream has clients and room;
+    /// gives it back otherwise.
+    fn put_spare(&mut self, stream_id: u64, b: Buffered) -> Result<(), Buffered> {
+        match self
             .streams
             .get_mut(&stream_id)
             .filter(|s| !s.clients.is_empty() && s.spare_fits())
-        else {
-            self.release(key);
-            self.yield_job(b, reason);
-            return false;
-        };
-        s.spare.push_back(b);
-        s.spared += 1;
-        metrics::spare_jobs(1);
-        if let Some(h) = self.held.get_mut(&key) {
-            h.client_id = SPARE;
+        {
+            Some(s) => {
+                s.spare.push_back(b);
+                s.spared += 1;
+                metrics::spare_jobs(1);
+                Ok(())
+            }
+            None => Err(b),
         }
-        true
     }
 
     /// Hands the stream's spare jobs, oldest first, to clients with free credit.
