@@ -49,6 +49,28 @@ pub static COMMIT_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
     )))
 });
 
+/// Time of one flush of the log to disk (fdatasync) by a broker's syncer.
+pub static FSYNC_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    register(built(Histogram::with_opts(
+        HistogramOpts::new(
+            "courier_broker_log_fsync_seconds",
+            "Time of one flush of the log to disk (fdatasync)",
+        )
+        .buckets(built(prometheus::exponential_buckets(0.00005, 2.0, 16))),
+    )))
+});
+
+/// Log appends (of any partition) made durable by one flush: the group commit.
+pub static FSYNC_APPENDS: LazyLock<Histogram> = LazyLock::new(|| {
+    register(built(Histogram::with_opts(
+        HistogramOpts::new(
+            "courier_broker_log_fsync_appends",
+            "Log appends made durable by one flush (group commit)",
+        )
+        .buckets(built(prometheus::exponential_buckets(1.0, 2.0, 10))),
+    )))
+});
+
 /// Commands refused before or during replication, by reason.
 pub static REJECTED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     register(built(IntCounterVec::new(

@@ -16,7 +16,8 @@ use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
 use openraft::storage::LogFlushed;
 use openraft::{StorageError, StorageIOError};
 use serde::{Deserialize, Serialize};
-use std::path::Path;
+use std::fs::File;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -63,10 +64,13 @@ impl Db {
     pub fn open(dir: &Path, durability: Durability) -> Result<Db, fjall::Error> {
         let db = Database::builder(dir).open()?;
         let (sync_tx, sync_rx) = mpsc::channel();
-        let syncer_db = db.clone();
+        let syncer = Syncer {
+            db: db.clone(),
+            journal: ActiveJournal::find(dir),
+        };
         std::thread::Builder::new()
             .name("courier-syncer".into())
-            .spawn(move || run_syncer(syncer_db, durability, sync_rx))
+            .spawn(move || syncer.run(durability, sync_rx))
             .map_err(fjall::Error::from)?;
         Ok(Db {
             db,
@@ -107,35 +111,110 @@ impl Db {
     }
 }
 
-/// One fdatasync covers every append queued since the previous one: group commit
-/// across the partitions of a broker.
-fn run_syncer(db: Database, durability: Durability, rx: mpsc::Receiver<LogFlushed<TypeConfig>>) {
-    let mut waiting = Vec::new();
-    loop {
-        let first = match durability {
-            Durability::Fsync => match rx.recv() {
-                Ok(cb) => Some(cb),
-                Err(_) => return,
-            },
-            Durability::Replicated => match rx.recv_timeout(REPLICATED_FLUSH_INTERVAL) {
-                Ok(cb) => Some(cb),
-                Err(mpsc::RecvTimeoutError::Timeout) => None,
-                Err(mpsc::RecvTimeoutError::Disconnected) => return,
-            },
-        };
-        waiting.extend(first);
-        waiting.extend(rx.try_iter());
-        let result = db.persist(PersistMode::SyncData);
-        if let Err(e) = &result {
-            tracing::error!(error = %e, "flushing the log failed");
+/// The journal file fjall appends to, which the syncer flushes through its own file
+/// handle: fjall's `persist` holds the journal's lock for the whole fdatasync, so
+/// every write of the broker (log appends on the Raft tasks, state-machine applies)
+/// would wait for the disk behind it, blocking a runtime worker thread each.
+///
+/// Relies on fjall's journal layout: `N.jnl` files in the database folder, the
+/// highest `N` active, a new one (`N + 1`) created only after the previous one was
+/// synced. So a write flushed to the OS before [`ActiveJournal::sync`] starts is in
+/// the journal found there, or in an older one that rotation already synced.
+struct ActiveJournal {
+    dir: PathBuf,
+    id: u64,
+    file: File,
+}
+
+impl ActiveJournal {
+    /// The highest-numbered journal in `dir`, or `None` when there is none (a layout
+    /// this code does not know: the syncer then falls back to fjall's `persist`).
+    fn find(dir: &Path) -> Option<ActiveJournal> {
+        let id = std::fs::read_dir(dir)
+            .ok()?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| e.file_name().to_str()?.strip_suffix(".jnl")?.parse().ok())
+            .max()?;
+        let file = File::open(journal_path(dir, id)).ok()?;
+        Some(ActiveJournal {
+            dir: dir.to_path_buf(),
+            id,
+            file,
+        })
+    }
+
+    /// Makes everything written to the journal so far durable.
+    fn sync(&mut self) -> std::io::Result<()> {
+        // Follow rotations: a journal is never left for the next before it is synced.
+        loop {
+            match File::open(journal_path(&self.dir, self.id + 1)) {
+                Ok(next) => {
+                    self.id += 1;
+                    self.file = next;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+                Err(e) => return Err(e),
+            }
         }
-        for cb in waiting.drain(..) {
-            cb.log_io_completed(
-                result
-                    .as_ref()
-                    .map(|_| ())
-                    .map_err(|e| std::io::Error::other(e.to_string())),
-            );
+        self.file.sync_data()
+    }
+}
+
+fn journal_path(dir: &Path, id: u64) -> PathBuf {
+    dir.join(format!("{id}.jnl"))
+}
+
+/// The syncer thread's state.
+struct Syncer {
+    db: Database,
+    journal: Option<ActiveJournal>,
+}
+
+impl Syncer {
+    /// Flushes the journal to disk. Every append is written to the OS before its
+    /// callback reaches the syncer (fjall's write batches flush their buffer), so
+    /// only the fdatasync is left.
+    fn sync(&mut self) -> Result<(), String> {
+        match &mut self.journal {
+            Some(journal) => journal.sync().map_err(|e| e.to_string()),
+            None => self
+                .db
+                .persist(PersistMode::SyncData)
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    /// One fdatasync covers every append queued since the previous one: group
+    /// commit across the partitions of a broker.
+    fn run(mut self, durability: Durability, rx: mpsc::Receiver<LogFlushed<TypeConfig>>) {
+        if self.journal.is_none() {
+            tracing::warn!("no fjall journal file found; flushing through fjall's persist");
+        }
+        let mut waiting = Vec::new();
+        loop {
+            let first = match durability {
+                Durability::Fsync => match rx.recv() {
+                    Ok(cb) => Some(cb),
+                    Err(_) => return,
+                },
+                Durability::Replicated => match rx.recv_timeout(REPLICATED_FLUSH_INTERVAL) {
+                    Ok(cb) => Some(cb),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                },
+            };
+            waiting.extend(first);
+            waiting.extend(rx.try_iter());
+            let started = std::time::Instant::now();
+            let result = self.sync();
+            crate::metrics::FSYNC_SECONDS.observe(started.elapsed().as_secs_f64());
+            crate::metrics::FSYNC_APPENDS.observe(waiting.len() as f64);
+            if let Err(e) = &result {
+                tracing::error!(error = %e, "flushing the log failed");
+            }
+            for cb in waiting.drain(..) {
+                cb.log_io_completed(result.clone().map_err(std::io::Error::other));
+            }
         }
     }
 }
@@ -148,4 +227,58 @@ pub(crate) fn read_err(e: impl std::error::Error + 'static) -> StorageError<u64>
 /// Maps a storage failure to openraft's error for writes.
 pub(crate) fn write_err(e: impl std::error::Error + 'static) -> StorageError<u64> {
     StorageIOError::write(&e).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn max_journal_id(dir: &Path) -> u64 {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| {
+                e.unwrap()
+                    .file_name()
+                    .to_str()?
+                    .strip_suffix(".jnl")?
+                    .parse()
+                    .ok()
+            })
+            .max()
+            .unwrap()
+    }
+
+    /// The syncer finds fjall's journal (it would fall back to fjall's locking
+    /// `persist` otherwise) and follows it when fjall moves on to a new one.
+    #[test]
+    fn syncer_follows_the_active_journal_across_rotations() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path(), Durability::Fsync).unwrap();
+        let mut journal = ActiveJournal::find(dir.path()).expect("fjall's journal file");
+        let first = journal.id;
+        assert_eq!(first, max_journal_id(dir.path()));
+
+        // fjall starts a new journal on a memtable flush once the active one passes
+        // 64 MB (values that do not compress: the journal may compress).
+        let ks = db.keyspace("data").unwrap();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for i in 0u32..70 {
+            let value: Vec<u8> = (0..1 << 17)
+                .flat_map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x.to_le_bytes()
+                })
+                .collect();
+            ks.insert(i.to_be_bytes(), value).unwrap();
+        }
+        ks.rotate_memtable_and_wait().unwrap();
+        let rotated = max_journal_id(dir.path());
+        assert!(rotated > first, "fjall did not rotate its journal");
+
+        ks.insert(b"after", b"rotation").unwrap();
+        journal.sync().unwrap();
+        assert_eq!(journal.id, rotated);
+    }
 }
