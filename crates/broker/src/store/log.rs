@@ -1,5 +1,5 @@
-//! A partition's Raft log in fjall: entries keyed by big-endian index, plus the vote,
-//! the committed id and the last purged id in the partition's meta keyspace.
+//! A partition's Raft log in fjall: entries keyed by big-endian index, plus the vote
+//! and the last purged id in the partition's meta keyspace.
 
 use super::{read_err, write_err, Db};
 use crate::raft::TypeConfig;
@@ -10,7 +10,6 @@ use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
 
 const VOTE: &[u8] = b"vote";
-const COMMITTED: &[u8] = b"committed";
 const LAST_PURGED: &[u8] = b"last_purged";
 
 type NodeId = u64;
@@ -135,16 +134,9 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         self.get_meta(VOTE)
     }
 
-    async fn save_committed(
-        &mut self,
-        committed: Option<LogId<NodeId>>,
-    ) -> Result<(), StorageError<NodeId>> {
-        self.put_meta(COMMITTED, &committed)
-    }
-
-    async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
-        Ok(self.get_meta::<Option<LogId<NodeId>>>(COMMITTED)?.flatten())
-    }
+    // No `save_committed`/`read_committed`: the state machine persists what it applied
+    // together with last-applied, so nothing needs the committed id after a restart,
+    // and storing it cost a journal write per commit on every replica.
 
     async fn append<I>(
         &mut self,
