@@ -1,19 +1,25 @@
-//! Encoding of domain and openraft values carried as bytes inside cluster messages.
-//! JSON today, in one place, so the format can change without touching callers.
+//! Encoding of domain and openraft values carried as bytes inside cluster messages
+//! and stored by the brokers: postcard (a compact, stable binary serde format), in
+//! one place, so the format can change without touching callers.
 
 use serde::{de::DeserializeOwned, Serialize};
 
 /// A payload that could not be encoded or decoded.
 #[derive(Debug, thiserror::Error)]
 #[error("cluster payload codec: {0}")]
-pub struct CodecError(#[from] serde_json::Error);
+pub struct CodecError(#[from] postcard::Error);
 
 /// Encodes a value as a payload.
 pub fn encode<T: Serialize>(value: &T) -> Result<bytes::Bytes, CodecError> {
-    Ok(serde_json::to_vec(value)?.into())
+    Ok(to_vec(value)?.into())
+}
+
+/// Encodes a value into a new vector.
+pub fn to_vec<T: Serialize>(value: &T) -> Result<Vec<u8>, CodecError> {
+    Ok(postcard::to_stdvec(value)?)
 }
 
 /// Decodes a payload; a malformed one is an error, never a panic.
 pub fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, CodecError> {
-    Ok(serde_json::from_slice(payload)?)
+    Ok(postcard::from_bytes(payload)?)
 }

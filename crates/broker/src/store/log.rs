@@ -3,6 +3,7 @@
 
 use super::{read_err, write_err, Db};
 use crate::raft::TypeConfig;
+use courier_proto::codec;
 use fjall::Keyspace;
 use openraft::storage::{LogFlushed, LogState, RaftLogReader, RaftLogStorage};
 use openraft::{Entry, LogId, OptionalSend, RaftLogId, StorageError, Vote};
@@ -38,12 +39,12 @@ impl LogStore {
     ) -> Result<Option<T>, StorageError<NodeId>> {
         match self.meta.get(key).map_err(read_err)? {
             None => Ok(None),
-            Some(v) => serde_json::from_slice(&v).map(Some).map_err(read_err),
+            Some(v) => codec::decode(&v).map(Some).map_err(read_err),
         }
     }
 
     fn put_meta<T: serde::Serialize>(&self, key: &[u8], v: &T) -> Result<(), StorageError<NodeId>> {
-        let bytes = serde_json::to_vec(v).map_err(write_err)?;
+        let bytes = codec::to_vec(v).map_err(write_err)?;
         self.meta.insert(key, bytes).map_err(write_err)
     }
 
@@ -78,7 +79,7 @@ impl LogStore {
     ) -> Result<(), StorageError<NodeId>> {
         let mut batch = self.db.database().batch();
         for entry in entries {
-            let bytes = serde_json::to_vec(&entry).map_err(write_err)?;
+            let bytes = codec::to_vec(&entry).map_err(write_err)?;
             batch.insert(&self.log, entry.get_log_id().index.to_be_bytes(), bytes);
         }
         batch.commit().map_err(write_err)
@@ -95,7 +96,7 @@ impl RaftLogReader<TypeConfig> for LogStore {
             .range((start, end))
             .map(|g| {
                 let (_, v) = g.into_inner().map_err(read_err)?;
-                serde_json::from_slice(&v).map_err(read_err)
+                codec::decode(&v).map_err(read_err)
             })
             .collect()
     }
@@ -110,7 +111,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             None => last_purged,
             Some(g) => {
                 let (_, v) = g.into_inner().map_err(read_err)?;
-                let entry: Entry<TypeConfig> = serde_json::from_slice(&v).map_err(read_err)?;
+                let entry: Entry<TypeConfig> = codec::decode(&v).map_err(read_err)?;
                 Some(*entry.get_log_id())
             }
         };
@@ -165,7 +166,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         batch.insert(
             &self.meta,
             LAST_PURGED,
-            serde_json::to_vec(&Some(log_id)).map_err(write_err)?,
+            codec::to_vec(&log_id).map_err(write_err)?,
         );
         for k in self.keys_in(..=log_id.index)? {
             batch.remove(&self.log, k);

@@ -5,6 +5,7 @@
 use super::{read_err, write_err, Db};
 use crate::engine::{Applied, Changes, Counters, Job, State};
 use crate::raft::TypeConfig;
+use courier_proto::codec;
 use courier_proto::domain::PartitionId;
 use fjall::Keyspace;
 use openraft::storage::{RaftStateMachine, Snapshot, SnapshotMeta};
@@ -91,21 +92,21 @@ impl StateMachine {
             meta.get(k).map_err(read_err)
         };
         let last_applied: Option<LogId<NodeId>> = match get(APPLIED)? {
-            Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
+            Some(v) => codec::decode(&v).map_err(read_err)?,
             None => None,
         };
         let membership = match get(MEMBERSHIP)? {
-            Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
+            Some(v) => codec::decode(&v).map_err(read_err)?,
             None => StoredMembership::default(),
         };
         let counters = match get(COUNTERS)? {
-            Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
+            Some(v) => codec::decode(&v).map_err(read_err)?,
             None => Counters::default(),
         };
         let mut loaded = Vec::new();
         for g in jobs.iter() {
             let (_, v) = g.into_inner().map_err(read_err)?;
-            loaded.push(serde_json::from_slice::<Job>(&v).map_err(read_err)?);
+            loaded.push(codec::decode::<Job>(&v).map_err(read_err)?);
         }
         std::fs::create_dir_all(&snapshot_dir).map_err(read_err)?;
         let snapshot_path = snapshot_dir.join(format!("p{}.snapshot", partition.0));
@@ -138,9 +139,7 @@ impl StateMachine {
         for key in changes {
             let k = (key.0 as u64).to_be_bytes();
             match a.state.job(*key) {
-                Some(job) => {
-                    batch.insert(&self.jobs, k, serde_json::to_vec(job).map_err(write_err)?)
-                }
+                Some(job) => batch.insert(&self.jobs, k, codec::to_vec(job).map_err(write_err)?),
                 None => batch.remove(&self.jobs, k),
             }
         }
@@ -153,21 +152,13 @@ impl StateMachine {
         batch: &mut fjall::OwnedWriteBatch,
         a: &AppliedState,
     ) -> Result<(), StorageError<NodeId>> {
-        let enc = |r: Result<Vec<u8>, serde_json::Error>| r.map_err(write_err);
-        batch.insert(
-            &self.meta,
-            APPLIED,
-            enc(serde_json::to_vec(&a.last_applied))?,
-        );
-        batch.insert(
-            &self.meta,
-            MEMBERSHIP,
-            enc(serde_json::to_vec(&a.membership))?,
-        );
+        let enc = |r: Result<Vec<u8>, codec::CodecError>| r.map_err(write_err);
+        batch.insert(&self.meta, APPLIED, enc(codec::to_vec(&a.last_applied))?);
+        batch.insert(&self.meta, MEMBERSHIP, enc(codec::to_vec(&a.membership))?);
         batch.insert(
             &self.meta,
             COUNTERS,
-            enc(serde_json::to_vec(a.state.counters()))?,
+            enc(codec::to_vec(a.state.counters()))?,
         );
         Ok(())
     }
@@ -185,14 +176,14 @@ fn load_snapshot(path: &PathBuf) -> Result<Option<StoredSnapshot>, StorageError<
             path.display()
         )))
     })?;
-    let meta = serde_json::from_slice(meta).map_err(read_err)?;
+    let meta = codec::decode(meta).map_err(read_err)?;
     Ok(Some(StoredSnapshot {
         meta,
         data: Arc::new(data.to_vec()),
     }))
 }
 
-/// File layout: 4-byte big-endian meta length, meta JSON, snapshot data.
+/// File layout: 4-byte big-endian meta length, encoded meta, snapshot data.
 fn split_snapshot_file(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
     let len = u32::from_be_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
     let meta = bytes.get(4..4 + len)?;
@@ -202,7 +193,7 @@ fn split_snapshot_file(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
 /// Writes the snapshot file atomically (temp file, fsync, rename).
 fn save_snapshot(path: &PathBuf, s: &StoredSnapshot) -> Result<(), StorageError<NodeId>> {
     use std::io::Write;
-    let meta = serde_json::to_vec(&s.meta).map_err(write_err)?;
+    let meta = codec::to_vec(&s.meta).map_err(write_err)?;
     let tmp = path.with_extension("tmp");
     let mut f = std::fs::File::create(&tmp).map_err(write_err)?;
     f.write_all(&(meta.len() as u32).to_be_bytes())
@@ -273,7 +264,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError<NodeId>> {
         let bytes = snapshot.into_inner();
-        let data: SnapshotData = serde_json::from_slice(&bytes).map_err(read_err)?;
+        let data: SnapshotData = codec::decode(&bytes).map_err(read_err)?;
         let stored = StoredSnapshot {
             meta: meta.clone(),
             data: Arc::new(bytes),
@@ -291,7 +282,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 batch.insert(
                     &self.jobs,
                     (job.key.0 as u64).to_be_bytes(),
-                    serde_json::to_vec(job).map_err(write_err)?,
+                    codec::to_vec(job).map_err(write_err)?,
                 );
             }
             a.state = State::from_parts(partition, data.counters, data.jobs);
@@ -350,30 +341,32 @@ impl SnapshotBuilder {
         let view = self.db.database().snapshot();
         let get = |k: &[u8]| view.get(&self.meta, k).map_err(read_err);
         let last_applied: Option<LogId<NodeId>> = match get(APPLIED)? {
-            Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
+            Some(v) => codec::decode(&v).map_err(read_err)?,
             None => None,
         };
         let last_membership = match get(MEMBERSHIP)? {
-            Some(v) => serde_json::from_slice(&v).map_err(read_err)?,
+            Some(v) => codec::decode(&v).map_err(read_err)?,
             None => StoredMembership::default(),
         };
         let counters = match get(COUNTERS)? {
             Some(v) => v.to_vec(),
-            None => serde_json::to_vec(&Counters::default()).map_err(write_err)?,
+            None => codec::to_vec(&Counters::default()).map_err(write_err)?,
         };
-        // The SnapshotData JSON, assembled from the stored job documents as they are.
-        let mut data = Vec::with_capacity(64 * 1024);
-        data.extend_from_slice(b"{\"counters\":");
+        // The encoded SnapshotData, assembled from the stored job encodings as they
+        // are: postcard writes a struct as its fields in order and a sequence as its
+        // length (a varint, like a u64) followed by its elements.
+        let jobs = view
+            .iter(&self.jobs)
+            .map(|g| g.value().map_err(read_err))
+            .collect::<Result<Vec<_>, _>>()?;
+        let count = codec::to_vec(&(jobs.len() as u64)).map_err(write_err)?;
+        let size = counters.len() + count.len() + jobs.iter().map(|v| v.len()).sum::<usize>();
+        let mut data = Vec::with_capacity(size);
         data.extend_from_slice(&counters);
-        data.extend_from_slice(b",\"jobs\":[");
-        for (i, g) in view.iter(&self.jobs).enumerate() {
-            let (_, v) = g.into_inner().map_err(read_err)?;
-            if i > 0 {
-                data.push(b',');
-            }
-            data.extend_from_slice(&v);
+        data.extend_from_slice(&count);
+        for v in &jobs {
+            data.extend_from_slice(v);
         }
-        data.extend_from_slice(b"]}");
         let id = match last_applied {
             Some(l) => format!("{}-{}-{}", l.leader_id, l.index, data.len()),
             None => format!("none-{}", data.len()),
