@@ -59,12 +59,12 @@ pub async fn unloaded<F, Fut, T, E>(
     mut send: F,
 ) -> u64
 where
-    F: FnMut() -> Fut,
+    F: FnMut(u64) -> Fut,
     Fut: Future<Output = Result<T, E>>,
 {
     let mut errors = 0;
     while Instant::now() < w.until {
-        if send().await.is_err() {
+        if send(now_us()).await.is_err() {
             errors += 1;
             continue;
         }
@@ -88,7 +88,7 @@ pub async fn open_loop<F, Fut, T, E>(
     mut send: F,
 ) -> u64
 where
-    F: FnMut() -> Fut,
+    F: FnMut(u64) -> Fut,
     Fut: Future<Output = Result<T, E>> + Send + 'static,
     E: std::fmt::Display,
 {
@@ -101,14 +101,18 @@ where
             break;
         }
         tokio::time::sleep_until(due.into()).await;
-        let sent = send();
+        // The job carries this creation time, and is expected by the same one the
+        // handlers' reports are counted by (a second clock reading here once counted
+        // a job created a few µs before the window that no report would ever match).
+        let created = now_us();
+        let sent = send(created);
         tokio::spawn(async move {
             if let Err(e) = sent.await {
                 eprintln!("send failed: {e}");
             }
         });
         n += 1;
-        if now_us() >= w.measure_from_us {
+        if created >= w.measure_from_us {
             expected += 1;
         }
         while let Ok(seen) = rx.try_recv() {

@@ -90,8 +90,9 @@ async fn poll_worker(job_type: String, client: Client, seen: Seen) -> anyhow::Re
     }
 }
 
-fn job(job_type: &str, pad: &str) -> NewJob {
-    NewJob::new(job_type).variables(format!("{{\"t\":{},\"p\":\"{pad}\"}}", now_us()).as_str())
+/// A job created at `created` (µs since the epoch), which it carries.
+fn job(job_type: &str, pad: &str, created: u64) -> NewJob {
+    NewJob::new(job_type).variables(format!("{{\"t\":{created},\"p\":\"{pad}\"}}").as_str())
 }
 
 pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
@@ -154,7 +155,7 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
                             errs.clone(),
                         );
                         tokio::spawn(async move {
-                            if c.create_job(job(&t, &p)).await.is_err() {
+                            if c.create_job(job(&t, &p, now_us())).await.is_err() {
                                 errs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                                 permits.add_permits(1);
                             }
@@ -182,15 +183,15 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
             )
         }
         (None, None) => {
-            errors += drive::unloaded(&w, &mut rx, &mut h, || {
-                client.create_job(job(&job_type, &pad))
+            errors += drive::unloaded(&w, &mut rx, &mut h, |created| {
+                client.create_job(job(&job_type, &pad, created))
             })
             .await;
             "unloaded, 1 job at a time".to_string()
         }
         (Some(rate), _) => {
-            errors += drive::open_loop(&w, rate, &mut rx, &mut h, || {
-                let (c, j) = (client.clone(), job(&job_type, &pad));
+            errors += drive::open_loop(&w, rate, &mut rx, &mut h, |created| {
+                let (c, j) = (client.clone(), job(&job_type, &pad, created));
                 async move { c.create_job(j).await }
             })
             .await;

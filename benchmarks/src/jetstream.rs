@@ -87,8 +87,9 @@ pub struct JetStreamArgs {
     pub replicas: usize,
 }
 
-fn body(pad: &str) -> String {
-    format!("{{\"t\":{},\"p\":\"{pad}\"}}", now_us())
+/// A message created at `created` (µs since the epoch), which it carries.
+fn body(pad: &str, created: u64) -> String {
+    format!("{{\"t\":{created},\"p\":\"{pad}\"}}")
 }
 
 async fn connect(url: &str) -> anyhow::Result<async_nats::Client> {
@@ -100,8 +101,13 @@ async fn connect(url: &str) -> anyhow::Result<async_nats::Client> {
 }
 
 /// Publishes and waits for the PubAck.
-async fn publish(js: &jetstream::Context, subject: &str, pad: &str) -> anyhow::Result<()> {
-    js.publish(subject.to_string(), body(pad).into())
+async fn publish(
+    js: &jetstream::Context,
+    subject: &str,
+    pad: &str,
+    created: u64,
+) -> anyhow::Result<()> {
+    js.publish(subject.to_string(), body(pad, created).into())
         .await?
         .await?;
     Ok(())
@@ -282,7 +288,7 @@ async fn measure(
         let mut errors = 0u64;
         while Instant::now() < until {
             let t0 = Instant::now();
-            let r = publish(&js, subject, &pad).await;
+            let r = publish(&js, subject, &pad, now_us()).await;
             if t0 < measure_from {
                 continue;
             }
@@ -364,13 +370,20 @@ async fn measure(
     let mut errors = 0u64;
     let load = match a.rate {
         None => {
-            errors += drive::unloaded(&w, &mut rx, &mut h, || publish(&js, subject, &pad)).await;
+            errors += drive::unloaded(&w, &mut rx, &mut h, |created| {
+                publish(&js, subject, &pad, created)
+            })
+            .await;
             "push unloaded, 1 job at a time".to_string()
         }
         Some(rate) => {
-            errors += drive::open_loop(&w, rate, &mut rx, &mut h, || {
+            errors += drive::open_loop(&w, rate, &mut rx, &mut h, |created| {
                 let (js, s, p) = (js.clone(), subject.to_string(), pad.clone());
-                async move { publish(&js, &s, &p).await.map_err(|e| format!("{e:#}")) }
+                async move {
+                    publish(&js, &s, &p, created)
+                        .await
+                        .map_err(|e| format!("{e:#}"))
+                }
             })
             .await;
             format!("push {rate} jobs/s, {} workers", a.workers)
