@@ -79,7 +79,7 @@ pub async fn run(
             .validate()
             .map_err(|e| Error::Config(e.to_string()))?,
     );
-    let peers = PeerChannels::default();
+    let peers = PeerChannels::new(shutdown.clone());
     let addrs = Arc::new(config.brokers.clone());
     let (notices, _) = tokio::sync::broadcast::channel(4096);
     let registry = Arc::new(registry::JobStreamRegistry::default());
@@ -129,6 +129,7 @@ pub async fn run(
         .add_service(
             RaftServer::new(RaftService {
                 partitions: partitions.clone(),
+                shutdown: shutdown.clone(),
             })
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES),

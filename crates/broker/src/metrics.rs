@@ -71,6 +71,14 @@ pub static FSYNC_APPENDS: LazyLock<Histogram> = LazyLock::new(|| {
     )))
 });
 
+/// Raft streams opened to peer brokers: one per peer, again after each break.
+pub static RAFT_STREAMS_OPENED: LazyLock<IntCounter> = LazyLock::new(|| {
+    register(built(IntCounter::new(
+        "courier_broker_raft_streams_opened_total",
+        "Raft streams opened to peer brokers (one per peer, again after each break)",
+    )))
+});
+
 /// Commands refused before or during replication, by reason.
 pub static REJECTED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     register(built(IntCounterVec::new(

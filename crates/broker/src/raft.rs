@@ -1,9 +1,11 @@
 //! openraft wiring: the type config and the network client that carries Raft
-//! messages to peers over gRPC (`courier.cluster.Raft`), one channel per peer shared
-//! by all partitions, the partition id in every message.
+//! messages to peers over gRPC (`courier.cluster.Raft`): one connection per peer
+//! shared by all partitions, the partition id in every message. Append-entries and
+//! votes travel on one long-lived stream per peer ([`PeerLink`]), which spares each
+//! of them a gRPC call's set-up; snapshots are unary calls.
 
 use crate::engine::{Applied, Batch};
-use courier_proto::cluster::{raft_client::RaftClient, RaftRequest, SnapshotChunk};
+use courier_proto::cluster::{raft_client::RaftClient, RaftCall, RaftFrame, SnapshotChunk};
 use courier_proto::codec;
 use courier_proto::domain::PartitionId;
 use dashmap::DashMap;
@@ -17,8 +19,11 @@ use openraft::raft::{
 };
 use openraft::{BasicNode, SnapshotMeta, Vote};
 use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
 openraft::declare_raft_types!(
@@ -47,13 +52,25 @@ pub struct SnapshotChunkHeader {
     pub done: bool,
 }
 
-/// One lazily connected channel per peer address, shared by every partition.
-#[derive(Clone, Default)]
+/// One lazily connected channel and Raft stream per peer address, shared by every
+/// partition.
+#[derive(Clone)]
 pub struct PeerChannels {
     channels: Arc<DashMap<String, Channel>>,
+    links: Arc<DashMap<String, Arc<PeerLink>>>,
+    /// Ends the streams' reader tasks.
+    shutdown: CancellationToken,
 }
 
 impl PeerChannels {
+    pub fn new(shutdown: CancellationToken) -> PeerChannels {
+        PeerChannels {
+            channels: Arc::default(),
+            links: Arc::default(),
+            shutdown,
+        }
+    }
+
     /// The channel to `addr`, created on first use; connecting happens lazily.
     pub fn get(&self, addr: &str) -> Result<Channel, tonic::transport::Error> {
         if let Some(c) = self.channels.get(addr) {
@@ -69,6 +86,154 @@ impl PeerChannels {
         self.channels.insert(addr.to_string(), channel.clone());
         Ok(channel)
     }
+
+    /// The Raft stream to `addr`, opened on first use.
+    pub fn link(&self, addr: &str) -> Result<Arc<PeerLink>, tonic::transport::Error> {
+        if let Some(l) = self.links.get(addr) {
+            return Ok(l.clone());
+        }
+        let link = Arc::new(PeerLink {
+            channel: self.get(addr)?,
+            shutdown: self.shutdown.clone(),
+            next_id: AtomicU64::new(0),
+            current: tokio::sync::Mutex::new(None),
+        });
+        Ok(self
+            .links
+            .entry(addr.to_string())
+            .or_insert(link)
+            .value()
+            .clone())
+    }
+}
+
+/// Requests in flight on one Raft stream, by id, waiting for their replies.
+type Waiting = DashMap<u64, oneshot::Sender<RaftFrame>>;
+
+/// One open Raft stream to a peer.
+struct OpenStream {
+    requests: mpsc::Sender<RaftFrame>,
+    waiting: Arc<Waiting>,
+    /// Cancelled when the stream ended: the next call opens another.
+    ended: CancellationToken,
+}
+
+/// A failed call on a Raft stream.
+enum CallError {
+    /// The peer could not be reached, or the stream broke before the reply.
+    Unreachable(String),
+    /// The peer answered that it could not serve the request, or no reply came
+    /// within the call's time.
+    Failed(String),
+}
+
+/// The Raft stream to one peer: requests of every partition go out on it, and a
+/// reader task hands each reply to the call waiting for it. A broken stream fails
+/// the calls waiting on it at once and is opened again by the next call.
+pub struct PeerLink {
+    channel: Channel,
+    shutdown: CancellationToken,
+    next_id: AtomicU64,
+    current: tokio::sync::Mutex<Option<Arc<OpenStream>>>,
+}
+
+impl PeerLink {
+    /// The open stream, or a new one.
+    async fn open(&self) -> Result<Arc<OpenStream>, CallError> {
+        let mut current = self.current.lock().await;
+        if let Some(s) = current.as_ref().filter(|s| !s.ended.is_cancelled()) {
+            return Ok(s.clone());
+        }
+        let (requests, rx) = mpsc::channel(1024);
+        let replies = RaftClient::new(self.channel.clone())
+            .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(crate::MAX_MESSAGE_BYTES)
+            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .map_err(|s| CallError::Unreachable(s.to_string()))?
+            .into_inner();
+        let s = Arc::new(OpenStream {
+            requests,
+            waiting: Arc::default(),
+            ended: CancellationToken::new(),
+        });
+        crate::metrics::RAFT_STREAMS_OPENED.inc();
+        tokio::spawn(read_replies(replies, s.clone(), self.shutdown.clone()));
+        *current = Some(s.clone());
+        Ok(s)
+    }
+
+    /// Sends one request and waits at most `ttl` for its reply's payload.
+    async fn call(
+        &self,
+        partition: PartitionId,
+        call: RaftCall,
+        payload: bytes::Bytes,
+        ttl: Duration,
+    ) -> Result<bytes::Bytes, CallError> {
+        let deadline = tokio::time::Instant::now() + ttl;
+        let s = tokio::time::timeout_at(deadline, self.open())
+            .await
+            .map_err(|_| CallError::Unreachable("opening the raft stream timed out".into()))??;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        s.waiting.insert(id, tx);
+        let frame = RaftFrame {
+            id,
+            partition_id: partition.0,
+            call: call as i32,
+            payload,
+            error: String::new(),
+        };
+        // The reader clears `waiting` when the stream ends: checked after inserting,
+        // so a call never waits on a stream nobody reads any more.
+        if s.ended.is_cancelled() || s.requests.send(frame).await.is_err() {
+            s.waiting.remove(&id);
+            s.ended.cancel();
+            return Err(CallError::Unreachable("the raft stream ended".into()));
+        }
+        match tokio::time::timeout_at(deadline, rx).await {
+            Ok(Ok(reply)) if reply.error.is_empty() => Ok(reply.payload),
+            Ok(Ok(reply)) => Err(CallError::Failed(reply.error)),
+            Ok(Err(_)) => Err(CallError::Unreachable(
+                "the raft stream ended before the reply".into(),
+            )),
+            Err(_) => {
+                s.waiting.remove(&id);
+                Err(CallError::Failed(format!("no reply within {ttl:?}")))
+            }
+        }
+    }
+}
+
+/// Hands the replies of one stream to their calls until it ends (peer gone, its
+/// shutdown, ours), then fails every call still waiting on it.
+async fn read_replies(
+    mut replies: tonic::Streaming<RaftFrame>,
+    s: Arc<OpenStream>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let next = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = s.ended.cancelled() => break,
+            next = replies.message() => next,
+        };
+        match next {
+            Ok(Some(reply)) => {
+                if let Some((_, call)) = s.waiting.remove(&reply.id) {
+                    let _ = call.send(reply);
+                }
+            }
+            Ok(None) => break,
+            Err(e) => {
+                tracing::debug!(error = %e, "raft stream to a peer ended");
+                break;
+            }
+        }
+    }
+    s.ended.cancel();
+    s.waiting.clear();
 }
 
 /// Makes Raft network clients for one partition.
@@ -84,14 +249,12 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = PeerClient;
 
     async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerClient {
+        let addr = self.addrs.get(&target).unwrap_or(&node.addr);
         PeerClient {
             partition: self.partition,
             target,
-            client: self
-                .peers
-                .get(self.addrs.get(&target).unwrap_or(&node.addr))
-                .map(RaftClient::new)
-                .map_err(Arc::new),
+            client: self.peers.get(addr).map(RaftClient::new).map_err(Arc::new),
+            link: self.peers.link(addr).map_err(Arc::new),
         }
     }
 }
@@ -101,6 +264,7 @@ pub struct PeerClient {
     partition: PartitionId,
     target: NodeId,
     client: Result<RaftClient<Channel>, Arc<tonic::transport::Error>>,
+    link: Result<Arc<PeerLink>, Arc<tonic::transport::Error>>,
 }
 
 type RpcErr<E = openraft::error::Infallible> = RPCError<NodeId, BasicNode, RaftError<NodeId, E>>;
@@ -130,6 +294,34 @@ impl PeerClient {
         req
     }
 
+    /// Sends an append-entries or vote request on the peer's Raft stream and
+    /// decodes the reply.
+    async fn call<Req: Serialize, R: serde::de::DeserializeOwned>(
+        &self,
+        call: RaftCall,
+        rpc: &Req,
+        option: &RPCOption,
+    ) -> Result<R, RpcErr> {
+        let link = self
+            .link
+            .clone()
+            .map_err(|e| RPCError::Unreachable(Unreachable::new(e.as_ref())))?;
+        let payload = codec::encode(rpc).map_err(codec_err)?;
+        match link
+            .call(self.partition, call, payload, option.hard_ttl())
+            .await
+        {
+            Ok(reply) => self.reply(&reply),
+            // An unreachable peer gets openraft's back-off; other failures a retry.
+            Err(CallError::Unreachable(why)) => Err(RPCError::Unreachable(Unreachable::new(
+                &std::io::Error::other(why),
+            ))),
+            Err(CallError::Failed(why)) => Err(RPCError::Network(NetworkError::new(
+                &std::io::Error::other(why),
+            ))),
+        }
+    }
+
     /// Decodes a peer's `Result<Resp, RaftError<E>>` reply.
     fn reply<R, E>(&self, payload: &[u8]) -> Result<R, RpcErr<E>>
     where
@@ -147,20 +339,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RpcErr> {
-        let payload = codec::encode(&rpc).map_err(codec_err)?;
-        let req = self.request(
-            RaftRequest {
-                partition_id: self.partition.0,
-                payload,
-            },
-            &option,
-        );
-        let reply = self
-            .client()?
-            .append_entries(req)
-            .await
-            .map_err(transport_err)?;
-        self.reply(&reply.into_inner().payload)
+        self.call(RaftCall::AppendEntries, &rpc, &option).await
     }
 
     async fn install_snapshot(
@@ -195,15 +374,6 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
     ) -> Result<VoteResponse<NodeId>, RpcErr> {
-        let payload = codec::encode(&rpc).map_err(codec_err)?;
-        let req = self.request(
-            RaftRequest {
-                partition_id: self.partition.0,
-                payload,
-            },
-            &option,
-        );
-        let reply = self.client()?.vote(req).await.map_err(transport_err)?;
-        self.reply(&reply.into_inner().payload)
+        self.call(RaftCall::Vote, &rpc, &option).await
     }
 }

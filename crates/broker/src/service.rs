@@ -9,13 +9,13 @@ use crate::raft::{SnapshotChunkHeader, TypeConfig};
 use crate::registry::{JobStreamRegistry, Link};
 use courier_proto::cluster::{
     self, gateway_message, BrokerAddress, BrokerMessage, BrokerTopology, BrokerTopologyRequest,
-    ExecuteReply, ExecuteRequest, GatewayMessage, PartitionStatus, RaftReply, RaftRequest,
+    ExecuteReply, ExecuteRequest, GatewayMessage, PartitionStatus, RaftCall, RaftFrame, RaftReply,
     SnapshotChunk,
 };
 use courier_proto::codec;
 use courier_proto::convert;
 use courier_proto::domain::{BrokerError, JobKey, PartitionId, Reply, Request};
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
 use openraft::ServerState;
 use std::collections::BTreeMap;
@@ -41,41 +41,100 @@ fn encode<T: serde::Serialize>(v: &T) -> Result<bytes::Bytes, Status> {
 /// Raft traffic from peer brokers.
 pub struct RaftService {
     pub partitions: Partitions,
+    /// Ends the Raft streams peers hold open, so the server can stop.
+    pub shutdown: CancellationToken,
 }
 
 impl RaftService {
     fn partition(&self, id: u32) -> Result<&Arc<Partition>, Status> {
-        self.partitions.get(&id).ok_or_else(|| {
-            Status::not_found(format!("partition {id} is not hosted on this broker"))
-        })
+        partition(&self.partitions, id)
     }
 }
 
+fn partition(partitions: &Partitions, id: u32) -> Result<&Arc<Partition>, Status> {
+    partitions
+        .get(&id)
+        .ok_or_else(|| Status::not_found(format!("partition {id} is not hosted on this broker")))
+}
+
+/// Serves one request of a Raft stream: the encoded openraft reply.
+async fn serve_raft_call(
+    partitions: &Partitions,
+    frame: &RaftFrame,
+) -> Result<bytes::Bytes, Status> {
+    let p = partition(partitions, frame.partition_id)?;
+    match RaftCall::try_from(frame.call) {
+        Ok(RaftCall::AppendEntries) => {
+            let rpc: AppendEntriesRequest<TypeConfig> = codec::decode(&frame.payload)
+                .map_err(|e| malformed("append-entries request", e))?;
+            encode(&p.raft.append_entries(rpc).await)
+        }
+        Ok(RaftCall::Vote) => {
+            let rpc: VoteRequest<u64> =
+                codec::decode(&frame.payload).map_err(|e| malformed("vote request", e))?;
+            encode(&p.raft.vote(rpc).await)
+        }
+        Err(_) => {
+            tracing::warn!(call = frame.call, "unknown raft call dropped");
+            Err(Status::invalid_argument(format!(
+                "unknown raft call {}",
+                frame.call
+            )))
+        }
+    }
+}
+
+type RaftFrames = Pin<Box<dyn Stream<Item = Result<RaftFrame, Status>> + Send>>;
+
 #[tonic::async_trait]
 impl cluster::raft_server::Raft for RaftService {
-    async fn append_entries(
-        &self,
-        req: GrpcRequest<RaftRequest>,
-    ) -> Result<Response<RaftReply>, Status> {
-        let r = req.into_inner();
-        let p = self.partition(r.partition_id)?;
-        let rpc: AppendEntriesRequest<TypeConfig> =
-            codec::decode(&r.payload).map_err(|e| malformed("append-entries request", e))?;
-        let res = p.raft.append_entries(rpc).await;
-        Ok(Response::new(RaftReply {
-            payload: encode(&res)?,
-        }))
-    }
+    type StreamStream = RaftFrames;
 
-    async fn vote(&self, req: GrpcRequest<RaftRequest>) -> Result<Response<RaftReply>, Status> {
-        let r = req.into_inner();
-        let p = self.partition(r.partition_id)?;
-        let rpc: VoteRequest<u64> =
-            codec::decode(&r.payload).map_err(|e| malformed("vote request", e))?;
-        let res = p.raft.vote(rpc).await;
-        Ok(Response::new(RaftReply {
-            payload: encode(&res)?,
-        }))
+    /// Reads a peer's requests and serves each as it comes (an append waits for
+    /// its flush; others, of other partitions, must not wait behind it), replying
+    /// on the returned stream. Ends when the peer closes its side or on shutdown.
+    async fn stream(
+        &self,
+        req: GrpcRequest<Streaming<RaftFrame>>,
+    ) -> Result<Response<RaftFrames>, Status> {
+        let mut inbound = req.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<RaftFrame, Status>>(1024);
+        let partitions = self.partitions.clone();
+        let shutdown = self.shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                let next = tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    next = inbound.message() => next,
+                };
+                let frame = match next {
+                    Ok(Some(frame)) => frame,
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "raft stream from a peer ended");
+                        break;
+                    }
+                };
+                let (partitions, tx) = (partitions.clone(), tx.clone());
+                tokio::spawn(async move {
+                    let (payload, error) = match serve_raft_call(&partitions, &frame).await {
+                        Ok(payload) => (payload, String::new()),
+                        Err(status) => (bytes::Bytes::new(), status.message().to_string()),
+                    };
+                    let reply = RaftFrame {
+                        payload,
+                        error,
+                        ..frame
+                    };
+                    // The peer is gone if this fails: nobody waits for the reply.
+                    let _ = tx.send(Ok(reply)).await;
+                });
+            }
+        });
+        let shutdown = self.shutdown.clone();
+        let replies =
+            tokio_stream::wrappers::ReceiverStream::new(rx).take_until(shutdown.cancelled_owned());
+        Ok(Response::new(Box::pin(replies)))
     }
 
     async fn install_snapshot(
