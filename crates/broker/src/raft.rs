@@ -8,6 +8,7 @@ use crate::engine::{Applied, Batch};
 use courier_proto::cluster::{raft_client::RaftClient, RaftCall, RaftFrame, SnapshotChunk};
 use courier_proto::codec;
 use courier_proto::domain::PartitionId;
+use courier_proto::mux::{CallError, Mux};
 use dashmap::DashMap;
 use openraft::error::{
     InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
@@ -19,10 +20,8 @@ use openraft::raft::{
 };
 use openraft::{BasicNode, SnapshotMeta, Vote};
 use serde::{Deserialize, Serialize};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
@@ -94,9 +93,7 @@ impl PeerChannels {
         }
         let link = Arc::new(PeerLink {
             channel: self.get(addr)?,
-            shutdown: self.shutdown.clone(),
-            next_id: AtomicU64::new(0),
-            current: tokio::sync::Mutex::new(None),
+            mux: Mux::new(self.shutdown.clone()),
         });
         Ok(self
             .links
@@ -107,62 +104,15 @@ impl PeerChannels {
     }
 }
 
-/// Requests in flight on one Raft stream, by id, waiting for their replies.
-type Waiting = DashMap<u64, oneshot::Sender<RaftFrame>>;
-
-/// One open Raft stream to a peer.
-struct OpenStream {
-    requests: mpsc::Sender<RaftFrame>,
-    waiting: Arc<Waiting>,
-    /// Cancelled when the stream ended: the next call opens another.
-    ended: CancellationToken,
-}
-
-/// A failed call on a Raft stream.
-enum CallError {
-    /// The peer could not be reached, or the stream broke before the reply.
-    Unreachable(String),
-    /// The peer answered that it could not serve the request, or no reply came
-    /// within the call's time.
-    Failed(String),
-}
-
-/// The Raft stream to one peer: requests of every partition go out on it, and a
-/// reader task hands each reply to the call waiting for it. A broken stream fails
-/// the calls waiting on it at once and is opened again by the next call.
+/// The Raft stream to one peer, shared by every partition: append-entries and
+/// votes go out on it as frames. A broken stream fails the calls waiting on it at
+/// once and is opened again by the next call.
 pub struct PeerLink {
     channel: Channel,
-    shutdown: CancellationToken,
-    next_id: AtomicU64,
-    current: tokio::sync::Mutex<Option<Arc<OpenStream>>>,
+    mux: Mux<RaftFrame, RaftFrame>,
 }
 
 impl PeerLink {
-    /// The open stream, or a new one.
-    async fn open(&self) -> Result<Arc<OpenStream>, CallError> {
-        let mut current = self.current.lock().await;
-        if let Some(s) = current.as_ref().filter(|s| !s.ended.is_cancelled()) {
-            return Ok(s.clone());
-        }
-        let (requests, rx) = mpsc::channel(1024);
-        let replies = RaftClient::new(self.channel.clone())
-            .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(crate::MAX_MESSAGE_BYTES)
-            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .map_err(|s| CallError::Unreachable(s.to_string()))?
-            .into_inner();
-        let s = Arc::new(OpenStream {
-            requests,
-            waiting: Arc::default(),
-            ended: CancellationToken::new(),
-        });
-        crate::metrics::RAFT_STREAMS_OPENED.inc();
-        tokio::spawn(read_replies(replies, s.clone(), self.shutdown.clone()));
-        *current = Some(s.clone());
-        Ok(s)
-    }
-
     /// Sends one request and waits at most `ttl` for its reply's payload.
     async fn call(
         &self,
@@ -170,70 +120,27 @@ impl PeerLink {
         call: RaftCall,
         payload: bytes::Bytes,
         ttl: Duration,
-    ) -> Result<bytes::Bytes, CallError> {
-        let deadline = tokio::time::Instant::now() + ttl;
-        let s = tokio::time::timeout_at(deadline, self.open())
-            .await
-            .map_err(|_| CallError::Unreachable("opening the raft stream timed out".into()))??;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        s.waiting.insert(id, tx);
+    ) -> Result<RaftFrame, CallError> {
         let frame = RaftFrame {
-            id,
+            id: 0,
             partition_id: partition.0,
             call: call as i32,
             payload,
             error: String::new(),
         };
-        // The reader clears `waiting` when the stream ends: checked after inserting,
-        // so a call never waits on a stream nobody reads any more.
-        if s.ended.is_cancelled() || s.requests.send(frame).await.is_err() {
-            s.waiting.remove(&id);
-            s.ended.cancel();
-            return Err(CallError::Unreachable("the raft stream ended".into()));
-        }
-        match tokio::time::timeout_at(deadline, rx).await {
-            Ok(Ok(reply)) if reply.error.is_empty() => Ok(reply.payload),
-            Ok(Ok(reply)) => Err(CallError::Failed(reply.error)),
-            Ok(Err(_)) => Err(CallError::Unreachable(
-                "the raft stream ended before the reply".into(),
-            )),
-            Err(_) => {
-                s.waiting.remove(&id);
-                Err(CallError::Failed(format!("no reply within {ttl:?}")))
-            }
-        }
-    }
-}
-
-/// Hands the replies of one stream to their calls until it ends (peer gone, its
-/// shutdown, ours), then fails every call still waiting on it.
-async fn read_replies(
-    mut replies: tonic::Streaming<RaftFrame>,
-    s: Arc<OpenStream>,
-    shutdown: CancellationToken,
-) {
-    loop {
-        let next = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            _ = s.ended.cancelled() => break,
-            next = replies.message() => next,
+        let open = |requests| async move {
+            crate::metrics::RAFT_STREAMS_OPENED.inc();
+            let replies = RaftClient::new(self.channel.clone())
+                .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(crate::MAX_MESSAGE_BYTES)
+                .stream(requests)
+                .await?;
+            Ok(replies.into_inner())
         };
-        match next {
-            Ok(Some(reply)) => {
-                if let Some((_, call)) = s.waiting.remove(&reply.id) {
-                    let _ = call.send(reply);
-                }
-            }
-            Ok(None) => break,
-            Err(e) => {
-                tracing::debug!(error = %e, "raft stream to a peer ended");
-                break;
-            }
-        }
+        self.mux
+            .call(open, frame, tokio::time::Instant::now() + ttl)
+            .await
     }
-    s.ended.cancel();
-    s.waiting.clear();
 }
 
 /// Makes Raft network clients for one partition.
@@ -311,13 +218,17 @@ impl PeerClient {
             .call(self.partition, call, payload, option.hard_ttl())
             .await
         {
-            Ok(reply) => self.reply(&reply),
-            // An unreachable peer gets openraft's back-off; other failures a retry.
-            Err(CallError::Unreachable(why)) => Err(RPCError::Unreachable(Unreachable::new(
-                &std::io::Error::other(why),
+            Ok(reply) if reply.error.is_empty() => self.reply(&reply.payload),
+            // The peer could not serve it: retried, like a lost reply.
+            Ok(reply) => Err(RPCError::Network(NetworkError::new(
+                &std::io::Error::other(reply.error),
             ))),
-            Err(CallError::Failed(why)) => Err(RPCError::Network(NetworkError::new(
-                &std::io::Error::other(why),
+            Err(e @ (CallError::TimedOut | CallError::Lost)) => Err(RPCError::Network(
+                NetworkError::new(&std::io::Error::other(e.to_string())),
+            )),
+            // The peer could not be reached: openraft backs off.
+            Err(e) => Err(RPCError::Unreachable(Unreachable::new(
+                &std::io::Error::other(e.to_string()),
             ))),
         }
     }

@@ -15,7 +15,8 @@ use courier_proto::cluster::{
 use courier_proto::codec;
 use courier_proto::convert;
 use courier_proto::domain::{BrokerError, JobKey, PartitionId, Reply, Request};
-use futures::{Stream, StreamExt};
+use courier_proto::mux;
+use futures::Stream;
 use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
 use openraft::ServerState;
 use std::collections::BTreeMap;
@@ -84,57 +85,32 @@ async fn serve_raft_call(
     }
 }
 
-type RaftFrames = Pin<Box<dyn Stream<Item = Result<RaftFrame, Status>> + Send>>;
-
 #[tonic::async_trait]
 impl cluster::raft_server::Raft for RaftService {
-    type StreamStream = RaftFrames;
+    type StreamStream = mux::Replies<RaftFrame>;
 
-    /// Reads a peer's requests and serves each as it comes (an append waits for
-    /// its flush; others, of other partitions, must not wait behind it), replying
-    /// on the returned stream. Ends when the peer closes its side or on shutdown.
+    /// Serves a peer's append-entries and votes as they come (an append waits for
+    /// its flush; others, of other partitions, must not wait behind it).
     async fn stream(
         &self,
         req: GrpcRequest<Streaming<RaftFrame>>,
-    ) -> Result<Response<RaftFrames>, Status> {
-        let mut inbound = req.into_inner();
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<RaftFrame, Status>>(1024);
+    ) -> Result<Response<Self::StreamStream>, Status> {
         let partitions = self.partitions.clone();
-        let shutdown = self.shutdown.clone();
-        tokio::spawn(async move {
-            loop {
-                let next = tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    next = inbound.message() => next,
+        let replies = mux::serve(req.into_inner(), self.shutdown.clone(), move |frame| {
+            let partitions = partitions.clone();
+            async move {
+                let (payload, error) = match serve_raft_call(&partitions, &frame).await {
+                    Ok(payload) => (payload, String::new()),
+                    Err(status) => (bytes::Bytes::new(), status.message().to_string()),
                 };
-                let frame = match next {
-                    Ok(Some(frame)) => frame,
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "raft stream from a peer ended");
-                        break;
-                    }
-                };
-                let (partitions, tx) = (partitions.clone(), tx.clone());
-                tokio::spawn(async move {
-                    let (payload, error) = match serve_raft_call(&partitions, &frame).await {
-                        Ok(payload) => (payload, String::new()),
-                        Err(status) => (bytes::Bytes::new(), status.message().to_string()),
-                    };
-                    let reply = RaftFrame {
-                        payload,
-                        error,
-                        ..frame
-                    };
-                    // The peer is gone if this fails: nobody waits for the reply.
-                    let _ = tx.send(Ok(reply)).await;
-                });
+                RaftFrame {
+                    payload,
+                    error,
+                    ..frame
+                }
             }
         });
-        let shutdown = self.shutdown.clone();
-        let replies =
-            tokio_stream::wrappers::ReceiverStream::new(rx).take_until(shutdown.cancelled_owned());
-        Ok(Response::new(Box::pin(replies)))
+        Ok(Response::new(replies))
     }
 
     async fn install_snapshot(
@@ -160,6 +136,7 @@ impl cluster::raft_server::Raft for RaftService {
 }
 
 /// Commands, topology and links from gateways.
+#[derive(Clone)]
 pub struct BrokerService {
     pub config: Arc<BrokerConfig>,
     pub partitions: Partitions,
@@ -169,6 +146,23 @@ pub struct BrokerService {
 }
 
 impl BrokerService {
+    /// Runs one command from a gateway: the encoded reply, or why it could not run.
+    async fn execute_one(&self, r: ExecuteRequest) -> Result<bytes::Bytes, Status> {
+        let request: Request =
+            codec::decode(&r.request).map_err(|e| malformed("execute request", e))?;
+        let kind = request_kind(&request);
+        let span = tracing::debug_span!("execute", partition = r.partition_id, kind);
+        let started = std::time::Instant::now();
+        let result = self.run(r.partition_id, request).instrument(span).await;
+        metrics::REQUESTS
+            .with_label_values(&[kind, outcome(&result)])
+            .inc();
+        metrics::REQUEST_SECONDS
+            .with_label_values(&[kind])
+            .observe(started.elapsed().as_secs_f64());
+        encode(&result)
+    }
+
     async fn run(&self, partition: u32, request: Request) -> Result<Reply, BrokerError> {
         let Some(p) = self.partitions.get(&partition) else {
             return Err(BrokerError::NotLeader {
@@ -291,26 +285,32 @@ fn on_gateway_message(
 
 #[tonic::async_trait]
 impl cluster::broker_server::Broker for BrokerService {
+    type ExecuteStream = mux::Replies<ExecuteReply>;
+
+    /// Serves a gateway's commands as they come, each answered on the returned
+    /// stream with its request's id.
     async fn execute(
         &self,
-        req: GrpcRequest<ExecuteRequest>,
-    ) -> Result<Response<ExecuteReply>, Status> {
-        let r = req.into_inner();
-        let request: Request =
-            codec::decode(&r.request).map_err(|e| malformed("execute request", e))?;
-        let kind = request_kind(&request);
-        let span = tracing::debug_span!("execute", partition = r.partition_id, kind);
-        let started = std::time::Instant::now();
-        let result = self.run(r.partition_id, request).instrument(span).await;
-        metrics::REQUESTS
-            .with_label_values(&[kind, outcome(&result)])
-            .inc();
-        metrics::REQUEST_SECONDS
-            .with_label_values(&[kind])
-            .observe(started.elapsed().as_secs_f64());
-        Ok(Response::new(ExecuteReply {
-            reply: encode(&result)?,
-        }))
+        req: GrpcRequest<Streaming<ExecuteRequest>>,
+    ) -> Result<Response<Self::ExecuteStream>, Status> {
+        let service = self.clone();
+        let replies = mux::serve(req.into_inner(), self.shutdown.clone(), move |r| {
+            let service = service.clone();
+            async move {
+                match service.execute_one(r).await {
+                    Ok(reply) => ExecuteReply {
+                        reply,
+                        ..ExecuteReply::default()
+                    },
+                    Err(status) => ExecuteReply {
+                        error_code: status.code() as i32,
+                        error: status.message().to_string(),
+                        ..ExecuteReply::default()
+                    },
+                }
+            }
+        });
+        Ok(Response::new(replies))
     }
 
     async fn topology(

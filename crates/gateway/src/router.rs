@@ -4,10 +4,13 @@
 use crate::backoff::Backoff;
 use crate::metrics;
 use crate::topology::Topology;
-use courier_proto::cluster::{broker_client::BrokerClient, ExecuteRequest};
+use courier_proto::cluster::{broker_client::BrokerClient, ExecuteReply, ExecuteRequest};
 use courier_proto::codec;
 use courier_proto::domain::{BrokerError, NodeId, PartitionId, Reply, Request};
+use courier_proto::mux::{CallError, Mux};
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -45,17 +48,35 @@ enum Failed {
     Fatal(String),
 }
 
-/// Routes requests to partition leaders.
+/// The command stream to one broker.
+type Commands = Mux<ExecuteRequest, ExecuteReply>;
+
+/// Routes requests to partition leaders, on one command stream per broker.
 #[derive(Clone)]
 pub struct Router {
     topology: Arc<Topology>,
     shutdown: CancellationToken,
+    /// By broker address.
+    streams: Arc<Mutex<HashMap<String, Arc<Commands>>>>,
 }
 
 impl Router {
     /// A router over `topology`; retries stop when `shutdown` is cancelled.
     pub fn new(topology: Arc<Topology>, shutdown: CancellationToken) -> Self {
-        Router { topology, shutdown }
+        Router {
+            topology,
+            shutdown,
+            streams: Arc::default(),
+        }
+    }
+
+    /// The command stream to the broker at `addr` (opened by its first call).
+    fn commands(&self, addr: &str) -> Arc<Commands> {
+        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        streams
+            .entry(addr.to_string())
+            .or_insert_with(|| Arc::new(Mux::new(self.shutdown.clone())))
+            .clone()
     }
 
     /// Runs `request` on `partition`'s leader, retrying until `deadline`.
@@ -87,6 +108,7 @@ impl Router {
                 error: BrokerError::Internal(e.to_string()),
                 not_applied: false,
             })?,
+            id: 0,
         };
         let mut backoff = Backoff::new(RETRY_BASE, RETRY_CAP);
         let mut not_applied = true;
@@ -154,19 +176,49 @@ impl Router {
             self.topology.request_refresh();
             return Err(Failed::NoLeader);
         };
-        let Some(channel) = self.topology.node_channel(node) else {
+        let (Some(addr), Some(channel)) = (
+            self.topology.node_addr(node),
+            self.topology.node_channel(node),
+        ) else {
             self.topology.request_refresh();
             return Err(Failed::NoLeader);
         };
-        // Cloning shares the encoded payload (`Bytes`), it does not copy it.
-        let mut req = tonic::Request::new(execute.clone());
-        req.set_timeout(deadline.saturating_duration_since(Instant::now()));
-        let mut client = BrokerClient::new(channel).max_decoding_message_size(MAX_BROKER_MESSAGE);
-        let reply = match tokio::time::timeout_at(deadline, client.execute(req)).await {
-            Err(_) => return Err(Failed::Transport(format!("broker {node} timed out"))),
-            Ok(Err(status)) => return Err(self.classify(node, &status)),
-            Ok(Ok(r)) => r.into_inner(),
+        let open = |requests| async move {
+            let replies = BrokerClient::new(channel)
+                .max_decoding_message_size(MAX_BROKER_MESSAGE)
+                .max_encoding_message_size(MAX_BROKER_MESSAGE)
+                .execute(requests)
+                .await?;
+            Ok(replies.into_inner())
         };
+        // Cloning shares the encoded payload (`Bytes`), it does not copy it.
+        let reply = match self
+            .commands(&addr)
+            .call(open, execute.clone(), deadline)
+            .await
+        {
+            Ok(reply) => reply,
+            Err(CallError::Open(status)) => return Err(self.classify(node, &status)),
+            Err(CallError::NotSent) => {
+                self.topology.request_refresh();
+                return Err(Failed::Unreachable(format!(
+                    "broker {node}: the command stream had ended"
+                )));
+            }
+            Err(CallError::Lost) => {
+                self.topology.request_refresh();
+                return Err(Failed::Transport(format!(
+                    "broker {node}: the command stream ended before the reply"
+                )));
+            }
+            Err(CallError::TimedOut) => {
+                return Err(Failed::Transport(format!("broker {node} timed out")))
+            }
+        };
+        if !reply.error.is_empty() {
+            let status = tonic::Status::new(tonic::Code::from(reply.error_code), reply.error);
+            return Err(self.classify(node, &status));
+        }
         let answer: Result<Reply, BrokerError> = codec::decode(&reply.reply)
             .map_err(|e| Failed::Fatal(format!("broker {node} sent a bad reply: {e}")))?;
         if let Err(BrokerError::NotLeader { leader, .. }) = &answer {
@@ -289,7 +341,10 @@ mod tests {
         drop(listener);
         let topology = Topology::new(std::slice::from_ref(&addr)).unwrap();
         let mut client = BrokerClient::new(topology.channel(&addr).unwrap());
-        let status = client.execute(ExecuteRequest::default()).await.unwrap_err();
+        let status = client
+            .execute(tokio_stream::empty::<ExecuteRequest>())
+            .await
+            .unwrap_err();
         assert_eq!(status.code(), tonic::Code::Unavailable);
         assert!(is_connect_error(&status), "{status:?}");
         assert!(!is_connect_error(&tonic::Status::unavailable("reset")));

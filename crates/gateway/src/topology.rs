@@ -147,7 +147,7 @@ pub struct Topology {
     /// since they may be spelled differently from the members' own addresses.
     seeds: Vec<String>,
     view: RwLock<ClusterView>,
-    /// One channel per broker address, reused for Execute, Topology and Link.
+    /// One channel per broker address, reused for the command stream, Topology and Link.
     channels: Mutex<HashMap<String, Channel>>,
     /// The membership, for the link supervisor to start one link per broker.
     members: watch::Sender<BTreeMap<NodeId, String>>,
@@ -243,8 +243,12 @@ impl Topology {
 
     /// The channel to broker `node`, if its address is known.
     pub fn node_channel(&self, node: NodeId) -> Option<Channel> {
-        let addr = self.read().members.get(&node).cloned()?;
-        self.channel(&addr)
+        self.channel(&self.node_addr(node)?)
+    }
+
+    /// The address of broker `node`, if known.
+    pub fn node_addr(&self, node: NodeId) -> Option<String> {
+        self.read().members.get(&node).cloned()
     }
 
     /// The channel to `addr`, created (not connected) on first use.

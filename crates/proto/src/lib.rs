@@ -6,12 +6,14 @@
 //!   replies, errors), independent of the wire.
 //! - [`validate`]: checks on client input that map to INVALID_ARGUMENT.
 //! - [`codec`]: the one place that turns domain values into cluster payloads and back.
+//! - [`mux`]: request/reply calls multiplexed on one long-lived gRPC stream.
 
 #![allow(clippy::derive_partial_eq_without_eq)]
 
 pub mod codec;
 pub mod convert;
 pub mod domain;
+pub mod mux;
 pub mod validate;
 
 /// Zeebe's gateway protocol, job part.
@@ -38,3 +40,21 @@ pub mod courier {
 
 pub use courier::cluster;
 pub use courier::v1 as courier_v1;
+
+macro_rules! frame {
+    ($($t:ty),*) => {$(
+        impl mux::Frame for $t {
+            fn id(&self) -> u64 {
+                self.id
+            }
+            fn set_id(&mut self, id: u64) {
+                self.id = id;
+            }
+        }
+    )*};
+}
+frame!(
+    cluster::RaftFrame,
+    cluster::ExecuteRequest,
+    cluster::ExecuteReply
+);

@@ -1,10 +1,12 @@
-//! The Raft stream a broker serves to its peers, over real gRPC on loopback: each
-//! request gets its own reply by id, a request that cannot be served gets an error
-//! reply rather than silence, and a stream a peer holds open does not keep the
-//! broker from shutting down.
+//! The long-lived streams a broker serves, over real gRPC on loopback: Raft for its
+//! peers, commands for gateways. Each request gets its own reply by id, a request
+//! that cannot be served gets an error reply rather than silence, and streams held
+//! open by the other side do not keep the broker from shutting down.
 
 use courier_broker::{BrokerConfig, Durability, RaftTuning};
-use courier_proto::cluster::{raft_client::RaftClient, RaftCall, RaftFrame};
+use courier_proto::cluster::{
+    broker_client::BrokerClient, raft_client::RaftClient, ExecuteRequest, RaftCall, RaftFrame,
+};
 use courier_proto::codec;
 use openraft::error::{Infallible, RaftError};
 use openraft::raft::{VoteRequest, VoteResponse};
@@ -24,7 +26,7 @@ fn frame(id: u64, partition_id: u32, call: i32, payload: &[u8]) -> RaftFrame {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn raft_stream_answers_every_request_and_ends_on_shutdown() {
+async fn streams_answer_every_request_and_end_on_shutdown() {
     let dir = tempfile::tempdir().unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -97,7 +99,36 @@ async fn raft_stream_answers_every_request_and_ends_on_shutdown() {
         codec::decode(&got[&4].payload).unwrap();
     assert!(answer.is_ok(), "{answer:?}");
 
-    // The stream is still open from this side: shutdown must end it, not wait for it.
+    let mut commands = BrokerClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let (ctx, crx) = mpsc::channel(4);
+    let mut answers = commands
+        .execute(tokio_stream::wrappers::ReceiverStream::new(crx))
+        .await
+        .unwrap()
+        .into_inner();
+    ctx.send(ExecuteRequest {
+        partition_id: 1,
+        request: vec![0xff, 0xff].into(),
+        id: 42,
+    })
+    .await
+    .unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), answers.message())
+        .await
+        .expect("an answer within 10 s")
+        .unwrap()
+        .expect("the stream stays open");
+    assert_eq!(answer.id, 42);
+    assert_eq!(answer.error_code, tonic::Code::InvalidArgument as i32);
+    assert!(
+        answer.error.contains("malformed execute request"),
+        "{:?}",
+        answer.error
+    );
+
+    // Both streams are still open from this side: shutdown must end them, not wait.
     shutdown.cancel();
     tokio::time::timeout(Duration::from_secs(10), broker)
         .await
@@ -108,5 +139,5 @@ async fn raft_stream_answers_every_request_and_ends_on_shutdown() {
         .await
         .expect("the reply stream ends");
     assert!(!matches!(end, Ok(Some(_))));
-    drop(tx);
+    drop((tx, ctx));
 }
