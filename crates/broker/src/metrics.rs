@@ -60,6 +60,17 @@ pub static FSYNC_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
     )))
 });
 
+/// Time to delete the log entries a snapshot covers (in the background), per purge.
+pub static PURGE_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    register(built(Histogram::with_opts(
+        HistogramOpts::new(
+            "courier_broker_log_purge_seconds",
+            "Time to delete the log entries a snapshot covers, in the background",
+        )
+        .buckets(latency_buckets()),
+    )))
+});
+
 /// Log appends (of any partition) made durable by one flush: the group commit.
 pub static FSYNC_APPENDS: LazyLock<Histogram> = LazyLock::new(|| {
     register(built(Histogram::with_opts(

@@ -9,11 +9,17 @@ use openraft::storage::{LogFlushed, LogState, RaftLogReader, RaftLogStorage};
 use openraft::{Entry, LogId, OptionalSend, RaftLogId, StorageError, Vote};
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 const VOTE: &[u8] = b"vote";
 const LAST_PURGED: &[u8] = b"last_purged";
 
 type NodeId = u64;
+
+/// Entries deleted per write batch when purging: each batch holds fjall's journal
+/// lock, which every other write of the broker waits for.
+const PURGE_CHUNK: u64 = 512;
 
 /// The log of one partition.
 #[derive(Clone)]
@@ -21,16 +27,34 @@ pub struct LogStore {
     db: Db,
     log: Keyspace,
     meta: Keyspace,
+    /// Entries below this index are deleted, or being deleted in the background.
+    deleted_below: Arc<AtomicU64>,
 }
 
 impl LogStore {
-    /// Opens the log of `partition` in `db`.
-    pub fn open(db: &Db, partition: u32) -> Result<LogStore, fjall::Error> {
-        Ok(LogStore {
+    /// Opens the log of `partition` in `db`, deleting entries a purge recorded but
+    /// did not get to delete before the broker stopped.
+    pub fn open(db: &Db, partition: u32) -> Result<LogStore, StorageError<NodeId>> {
+        let mut store = LogStore {
             db: db.clone(),
-            log: db.keyspace(&format!("p{partition}.log"))?,
-            meta: db.keyspace(&format!("p{partition}.meta"))?,
-        })
+            log: db
+                .keyspace(&format!("p{partition}.log"))
+                .map_err(read_err)?,
+            meta: db
+                .keyspace(&format!("p{partition}.meta"))
+                .map_err(read_err)?,
+            deleted_below: Arc::default(),
+        };
+        if let Some(purged) = store.get_meta::<LogId<NodeId>>(LAST_PURGED)? {
+            let leftovers = store.keys_in(..=purged.index)?;
+            let mut batch = store.db.database().batch();
+            for k in leftovers {
+                batch.remove(&store.log, k);
+            }
+            batch.commit().map_err(write_err)?;
+            store.deleted_below = Arc::new(AtomicU64::new(purged.index + 1));
+        }
+        Ok(store)
     }
 
     fn get_meta<T: serde::de::DeserializeOwned>(
@@ -107,13 +131,19 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<NodeId>> {
         let last_purged: Option<LogId<NodeId>> = self.get_meta(LAST_PURGED)?;
-        let last = match self.log.last_key_value() {
-            None => last_purged,
+        let last_stored = match self.log.last_key_value() {
+            None => None,
             Some(g) => {
                 let (_, v) = g.into_inner().map_err(read_err)?;
                 let entry: Entry<TypeConfig> = codec::decode(&v).map_err(read_err)?;
                 Some(*entry.get_log_id())
             }
+        };
+        // Entries a purge covers may still be stored (they are deleted in the
+        // background), and a purge may reach past the last entry (a snapshot).
+        let last = match (last_stored, last_purged) {
+            (Some(s), Some(p)) if s.index <= p.index => Some(p),
+            (stored, purged) => stored.or(purged),
         };
         Ok(LogState {
             last_purged_log_id: last_purged,
@@ -161,16 +191,109 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         batch.commit().map_err(write_err)
     }
 
+    /// Records the purge, then deletes the entries on a blocking thread: a snapshot
+    /// covers tens of thousands of entries, and deleting them here held up this
+    /// partition's Raft core (and a runtime worker) for about 100 ms each time.
+    /// Entries at or below the purged id are never read again; any the deletion
+    /// leaves behind (the broker stopped) go when the log is next opened.
     async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
-        let mut batch = self.db.database().batch();
-        batch.insert(
-            &self.meta,
-            LAST_PURGED,
-            codec::to_vec(&log_id).map_err(write_err)?,
-        );
-        for k in self.keys_in(..=log_id.index)? {
-            batch.remove(&self.log, k);
+        self.put_meta(LAST_PURGED, &log_id)?;
+        let from = self
+            .deleted_below
+            .fetch_max(log_id.index + 1, Ordering::AcqRel);
+        if from > log_id.index {
+            return Ok(());
         }
-        batch.commit().map_err(write_err)
+        let (db, log) = (self.db.clone(), self.log.clone());
+        tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
+            let mut start = from;
+            while start <= log_id.index {
+                let end = log_id.index.min(start.saturating_add(PURGE_CHUNK - 1));
+                let mut batch = db.database().batch();
+                for index in start..=end {
+                    batch.remove(&log, index.to_be_bytes());
+                }
+                if let Err(e) = batch.commit() {
+                    tracing::warn!(error = %e, "deleting purged log entries failed; retried at the next start");
+                    return;
+                }
+                start = end + 1;
+            }
+            crate::metrics::PURGE_SECONDS.observe(started.elapsed().as_secs_f64());
+        });
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Durability;
+    use openraft::{CommittedLeaderId, EntryPayload};
+    use std::time::Duration;
+
+    fn id(index: u64) -> LogId<NodeId> {
+        LogId::new(CommittedLeaderId::new(1, 1), index)
+    }
+
+    fn entries(range: std::ops::RangeInclusive<u64>) -> Vec<Entry<TypeConfig>> {
+        range
+            .map(|i| Entry {
+                log_id: id(i),
+                payload: EntryPayload::Blank,
+            })
+            .collect()
+    }
+
+    async fn stored(log: &mut LogStore) -> Vec<u64> {
+        log.try_get_log_entries(0..u64::MAX)
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| e.log_id.index)
+            .collect()
+    }
+
+    /// A purge returns at once and the entries go in the background; the log's
+    /// state says what was purged meanwhile, also past its last entry.
+    #[tokio::test]
+    async fn purged_entries_are_deleted_in_the_background() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path(), Durability::Replicated).unwrap();
+        let mut log = LogStore::open(&db, 1).unwrap();
+        log.write(entries(1..=2000)).unwrap();
+        log.purge(id(1500)).await.unwrap();
+        let state = log.get_log_state().await.unwrap();
+        assert_eq!(state.last_purged_log_id, Some(id(1500)));
+        assert_eq!(state.last_log_id, Some(id(2000)));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while stored(&mut log).await.len() > 500 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "not deleted in 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(stored(&mut log).await, (1501..=2000).collect::<Vec<_>>());
+
+        // A snapshot beyond the log's end purges past its last entry.
+        log.purge(id(2500)).await.unwrap();
+        let state = log.get_log_state().await.unwrap();
+        assert_eq!(state.last_purged_log_id, Some(id(2500)));
+        assert_eq!(state.last_log_id, Some(id(2500)));
+    }
+
+    /// Entries a purge recorded but did not delete before the broker stopped are
+    /// deleted when the log is opened again.
+    #[tokio::test]
+    async fn leftovers_of_a_purge_go_when_the_log_is_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path(), Durability::Replicated).unwrap();
+        let log = LogStore::open(&db, 1).unwrap();
+        log.write(entries(1..=10)).unwrap();
+        log.put_meta(LAST_PURGED, &id(6)).unwrap();
+        let mut reopened = LogStore::open(&db, 1).unwrap();
+        assert_eq!(stored(&mut reopened).await, vec![7, 8, 9, 10]);
     }
 }
