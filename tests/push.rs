@@ -374,6 +374,15 @@ async fn a_killed_gateway_is_dropped_at_once_and_workers_move_to_another() {
         got.lock().unwrap().len() >= 20
     })
     .await;
+    // The gateway hands a job to its client before it acks the push: kill it only
+    // once every push is answered, or an ack still on its way is lost with it.
+    wait_until(Duration::from_secs(10), "first pushes acked", || async {
+        cluster
+            .broker_metric("courier_broker_push_attempts_total{outcome=\"accepted\"}")
+            .await
+            >= 20.0
+    })
+    .await;
 
     cluster.kill_gateway(0);
     let killed = Instant::now();
