@@ -46,12 +46,6 @@ pub struct RaftService {
     pub shutdown: CancellationToken,
 }
 
-impl RaftService {
-    fn partition(&self, id: u32) -> Result<&Arc<Partition>, Status> {
-        partition(&self.partitions, id)
-    }
-}
-
 fn partition(partitions: &Partitions, id: u32) -> Result<&Arc<Partition>, Status> {
     partitions
         .get(&id)
@@ -118,7 +112,7 @@ impl cluster::raft_server::Raft for RaftService {
         req: GrpcRequest<SnapshotChunk>,
     ) -> Result<Response<RaftReply>, Status> {
         let r = req.into_inner();
-        let p = self.partition(r.partition_id)?;
+        let p = partition(&self.partitions, r.partition_id)?;
         let h: SnapshotChunkHeader =
             codec::decode(&r.header).map_err(|e| malformed("snapshot chunk", e))?;
         let rpc = InstallSnapshotRequest::<TypeConfig> {

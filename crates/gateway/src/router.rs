@@ -176,10 +176,11 @@ impl Router {
             self.topology.request_refresh();
             return Err(Failed::NoLeader);
         };
-        let (Some(addr), Some(channel)) = (
-            self.topology.node_addr(node),
-            self.topology.node_channel(node),
-        ) else {
+        let Some((channel, addr)) = self
+            .topology
+            .node_addr(node)
+            .and_then(|addr| Some((self.topology.channel(&addr)?, addr)))
+        else {
             self.topology.request_refresh();
             return Err(Failed::NoLeader);
         };
