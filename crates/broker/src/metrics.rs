@@ -71,6 +71,17 @@ pub static PURGE_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
     )))
 });
 
+/// Time to build and write one snapshot of a partition (on a blocking thread).
+pub static SNAPSHOT_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    register(built(Histogram::with_opts(
+        HistogramOpts::new(
+            "courier_broker_snapshot_build_seconds",
+            "Time to build and write one snapshot of a partition, in the background",
+        )
+        .buckets(latency_buckets()),
+    )))
+});
+
 /// Log appends (of any partition) made durable by one flush: the group commit.
 pub static FSYNC_APPENDS: LazyLock<Histogram> = LazyLock::new(|| {
     register(built(Histogram::with_opts(
