@@ -80,8 +80,27 @@ impl BrokerConfig {
             .collect()
     }
 
-    /// openraft's configuration for every partition of this broker.
-    pub fn raft_config(&self) -> openraft::Config {
+    /// Entries between two snapshots of `partition` on this broker: `snapshot_every`
+    /// plus up to half of it again, a different share for every (partition, broker).
+    /// Under even load every partition reaches the same log length at the same
+    /// moment, and with one threshold all of them (on every replica) built a snapshot
+    /// and purged their logs at once: on two cores that stalled every commit for a
+    /// few hundred milliseconds.
+    pub fn snapshot_threshold(&self, partition: u32) -> u64 {
+        let every = self.raft.snapshot_every.max(1);
+        let brokers = self.brokers.len().max(1) as u64;
+        let position = self
+            .brokers
+            .keys()
+            .position(|&id| id == self.node_id)
+            .unwrap_or(0) as u64;
+        let slots = brokers * u64::from(self.partitions.max(1));
+        let slot = u64::from(partition.saturating_sub(1)) * brokers + position;
+        every + every * (slot % slots) / (2 * slots)
+    }
+
+    /// openraft's configuration for `partition` on this broker.
+    pub fn raft_config(&self, partition: u32) -> openraft::Config {
         openraft::Config {
             cluster_name: "courier".into(),
             heartbeat_interval: self.raft.heartbeat_ms,
@@ -91,7 +110,9 @@ impl BrokerConfig {
             // Entries are batches of up to ~1 MiB: a few per AppendEntries keeps one
             // well inside its timeout (the heartbeat interval).
             max_payload_entries: 4,
-            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(self.raft.snapshot_every),
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(
+                self.snapshot_threshold(partition),
+            ),
             max_in_snapshot_log_to_keep: self.raft.keep_after_snapshot,
             ..Default::default()
         }
@@ -141,6 +162,25 @@ mod tests {
         c.node_id = 1;
         c.partitions = 0;
         assert!(c.validate().unwrap_err().contains("partition"));
-        assert!(config(3, 3).raft_config().validate().is_ok());
+        assert!(config(3, 3).raft_config(1).validate().is_ok());
+    }
+
+    /// No two (partition, broker) pairs snapshot after the same number of entries,
+    /// and none waits longer than one and a half times the configured interval.
+    #[test]
+    fn snapshot_thresholds_are_staggered() {
+        let mut c = config(3, 3);
+        c.partitions = 3;
+        c.raft.snapshot_every = 20_000;
+        let mut seen = std::collections::BTreeSet::new();
+        for node in 1..=3 {
+            c.node_id = node;
+            for p in 1..=3 {
+                let t = c.snapshot_threshold(p);
+                assert!((20_000..30_000).contains(&t), "{t}");
+                assert!(seen.insert(t), "threshold {t} repeated");
+            }
+        }
+        assert_eq!(seen.first(), Some(&20_000));
     }
 }

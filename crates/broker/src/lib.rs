@@ -73,12 +73,6 @@ pub async fn run(
     std::fs::create_dir_all(&config.data_dir)?;
     let db = Db::open(&config.data_dir.join("db"), config.durability)
         .map_err(|e| Error::Storage(e.to_string()))?;
-    let raft_config = Arc::new(
-        config
-            .raft_config()
-            .validate()
-            .map_err(|e| Error::Config(e.to_string()))?,
-    );
     let peers = PeerChannels::new(shutdown.clone());
     let addrs = Arc::new(config.brokers.clone());
     let (notices, _) = tokio::sync::broadcast::channel(4096);
@@ -91,6 +85,12 @@ pub async fn run(
             continue;
         }
         let id = PartitionId(p);
+        let raft_config = Arc::new(
+            config
+                .raft_config(p)
+                .validate()
+                .map_err(|e| Error::Config(e.to_string()))?,
+        );
         let log = LogStore::open(&db, p).map_err(|e| Error::Storage(e.to_string()))?;
         let sm = StateMachine::open(&db, id, config.data_dir.join("snapshots"))
             .map_err(|e| Error::Storage(e.to_string()))?;
@@ -100,7 +100,7 @@ pub async fn run(
             peers: peers.clone(),
             addrs: addrs.clone(),
         };
-        let raft = Raft::new(config.node_id, raft_config.clone(), network, log, sm)
+        let raft = Raft::new(config.node_id, raft_config, network, log, sm)
             .await
             .map_err(|e| Error::Raft(e.to_string()))?;
         let part = Partition::start(
