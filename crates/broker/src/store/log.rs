@@ -18,8 +18,12 @@ const LAST_PURGED: &[u8] = b"last_purged";
 type NodeId = u64;
 
 /// Entries deleted per write batch when purging: each batch holds fjall's journal
-/// lock, which every other write of the broker waits for.
-const PURGE_CHUNK: u64 = 512;
+/// lock while it goes into the memtable, and every other write of the broker (log
+/// appends, applies) waits for that lock. Small batches with a pause between them
+/// keep a purge of tens of thousands of entries from holding it for long at a time,
+/// even when the purging thread is preempted on a busy machine.
+const PURGE_CHUNK: u64 = 64;
+const PURGE_PAUSE: std::time::Duration = std::time::Duration::from_micros(500);
 
 /// The log of one partition.
 #[derive(Clone)]
@@ -219,8 +223,12 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                     return;
                 }
                 start = end + 1;
+                if start <= log_id.index {
+                    std::thread::sleep(PURGE_PAUSE);
+                }
             }
             crate::metrics::PURGE_SECONDS.observe(started.elapsed().as_secs_f64());
+            tracing::debug!(from, to = log_id.index, took = ?started.elapsed(), "log purged");
         });
         Ok(())
     }
