@@ -31,6 +31,9 @@ pub struct Window {
     pub until: Instant,
     /// Jobs created from then on are measured.
     pub measure_from_us: u64,
+    /// Print each measured job slower than this on stderr (creation time and
+    /// latency), to line stalls up with the brokers' logs.
+    pub print_slower_than_us: Option<u64>,
 }
 
 impl Window {
@@ -40,11 +43,15 @@ impl Window {
             start,
             until: start + Duration::from_secs(warmup + duration),
             measure_from_us: now_us() + warmup * 1_000_000,
+            print_slower_than_us: None,
         }
     }
 
     fn record(&self, h: &mut Histogram<u64>, (created, latency): (u64, u64)) {
         if created >= self.measure_from_us {
+            if self.print_slower_than_us.is_some_and(|t| latency > t) {
+                eprintln!("slow job: created_us={created} latency_us={latency}");
+            }
             h.saturating_record(latency);
         }
     }

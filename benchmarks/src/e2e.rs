@@ -43,6 +43,10 @@ pub struct E2eArgs {
     pub warmup: u64,
     #[arg(long, default_value_t = 100)]
     pub payload: usize,
+    /// Print every measured job slower than this many milliseconds on stderr, with
+    /// its creation time (µs since the epoch), to line stalls up with broker logs.
+    #[arg(long)]
+    pub print_slower_than_ms: Option<u64>,
 }
 
 async fn push_worker(
@@ -124,7 +128,8 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
         .trim_start_matches("{\"p\":\"")
         .trim_end_matches("\"}")
         .to_string();
-    let w = Window::new(a.warmup, a.duration);
+    let mut w = Window::new(a.warmup, a.duration);
+    w.print_slower_than_us = a.print_slower_than_ms.map(|ms| ms * 1000);
     let mut h = histogram()?;
     let mut errors = 0u64;
     let load = match (a.rate, a.in_flight) {
