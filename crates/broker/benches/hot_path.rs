@@ -11,7 +11,6 @@ use courier_broker::engine::{Batch, LogCommand, PushTarget, Recipient, State};
 use courier_broker::raft::TypeConfig;
 use courier_broker::registry::JobStreamRegistry;
 use courier_broker::store::log::LogStore;
-use courier_broker::store::sm::encode_snapshot;
 use courier_broker::store::{Db, Durability};
 use courier_proto::domain::{
     ActivationProps, Command, JobKey, NewJob, PartitionId, ProcessContext, Reply, DEFAULT_TENANT,
@@ -172,17 +171,6 @@ fn registry(c: &mut Criterion) {
     g.finish();
 }
 
-/// A snapshot's data is encoded under the state's read lock: apply waits this long.
-fn snapshot(c: &mut Criterion) {
-    let mut g = c.benchmark_group("snapshot");
-    let state = loaded_state(3_000);
-    g.throughput(Throughput::Elements(3_000));
-    g.bench_function("encode_3000_jobs", |b| {
-        b.iter(|| black_box(encode_snapshot(&state, 0).expect("encode").len()));
-    });
-    g.finish();
-}
-
 fn entry(index: u64) -> Entry<TypeConfig> {
     Entry {
         log_id: LogId::new(openraft::CommittedLeaderId::new(1, 1), index),
@@ -214,5 +202,5 @@ fn log_append(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, engine, registry, snapshot, log_append);
+criterion_group!(benches, engine, registry, log_append);
 criterion_main!(benches);

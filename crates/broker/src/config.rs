@@ -25,7 +25,8 @@ pub struct RaftTuning {
     pub heartbeat_ms: u64,
     pub election_timeout_min_ms: u64,
     pub election_timeout_max_ms: u64,
-    /// A snapshot is built after this many entries since the last one.
+    /// A snapshot is built after this many entries since the last one, plus a
+    /// share of up to half again per partition and broker (`snapshot_threshold`).
     pub snapshot_every: u64,
     /// Entries kept behind a snapshot for followers that lag a little.
     pub keep_after_snapshot: u64,

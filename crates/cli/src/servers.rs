@@ -57,7 +57,8 @@ pub struct BrokerArgs {
     /// Where Prometheus metrics are served (`/metrics`).
     #[arg(long)]
     metrics_addr: Option<String>,
-    /// Log entries between snapshots.
+    /// Log entries between snapshots of a partition: this many, plus a share of up
+    /// to half again that differs per partition and broker, so snapshots spread out.
     #[arg(long, default_value_t = RaftTuning::default().snapshot_every)]
     snapshot_every: u64,
     /// Log entries kept behind a snapshot for lagging followers.

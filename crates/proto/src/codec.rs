@@ -19,11 +19,6 @@ pub fn to_vec<T: Serialize>(value: &T) -> Result<Vec<u8>, CodecError> {
     Ok(postcard::to_stdvec(value)?)
 }
 
-/// Encodes a value at the end of `buf` (which can be pre-sized), returning it.
-pub fn to_extend<T: Serialize>(value: &T, buf: Vec<u8>) -> Result<Vec<u8>, CodecError> {
-    Ok(postcard::to_extend(value, buf)?)
-}
-
 /// Decodes a payload; a malformed one is an error, never a panic.
 pub fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, CodecError> {
     Ok(postcard::from_bytes(payload)?)
