@@ -65,6 +65,34 @@ struct StoredSnapshot {
     data: Arc<Vec<u8>>,
 }
 
+/// What a partition's meta keyspace holds beside its jobs, read from the keyspace
+/// itself or from a view of it. The counters stay encoded: a snapshot copies them as
+/// they are.
+struct StoredMeta {
+    last_applied: Option<LogId<NodeId>>,
+    membership: StoredMembership<NodeId, BasicNode>,
+    counters: Option<fjall::Slice>,
+}
+
+impl StoredMeta {
+    fn read(
+        get: impl Fn(&[u8]) -> fjall::Result<Option<fjall::Slice>>,
+    ) -> Result<StoredMeta, StorageError<NodeId>> {
+        let get = |k: &[u8]| get(k).map_err(read_err);
+        Ok(StoredMeta {
+            last_applied: match get(APPLIED)? {
+                Some(v) => codec::decode(&v).map_err(read_err)?,
+                None => None,
+            },
+            membership: match get(MEMBERSHIP)? {
+                Some(v) => codec::decode(&v).map_err(read_err)?,
+                None => StoredMembership::default(),
+            },
+            counters: get(COUNTERS)?,
+        })
+    }
+}
+
 /// The state machine of one partition.
 pub struct StateMachine {
     db: Db,
@@ -88,18 +116,9 @@ impl StateMachine {
         let meta = db
             .keyspace(&format!("p{}.meta", partition.0))
             .map_err(read_err)?;
-        let get = |k: &[u8]| -> Result<Option<fjall::Slice>, StorageError<NodeId>> {
-            meta.get(k).map_err(read_err)
-        };
-        let last_applied: Option<LogId<NodeId>> = match get(APPLIED)? {
-            Some(v) => codec::decode(&v).map_err(read_err)?,
-            None => None,
-        };
-        let membership = match get(MEMBERSHIP)? {
-            Some(v) => codec::decode(&v).map_err(read_err)?,
-            None => StoredMembership::default(),
-        };
-        let counters = match get(COUNTERS)? {
+        let stored = StoredMeta::read(|k| meta.get(k))?;
+        let (last_applied, membership) = (stored.last_applied, stored.membership);
+        let counters = match stored.counters {
             Some(v) => codec::decode(&v).map_err(read_err)?,
             None => Counters::default(),
         };
@@ -363,16 +382,9 @@ fn build(
 ) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
     use fjall::Readable;
     let started = std::time::Instant::now();
-    let get = |k: &[u8]| view.get(meta, k).map_err(read_err);
-    let last_applied: Option<LogId<NodeId>> = match get(APPLIED)? {
-        Some(v) => codec::decode(&v).map_err(read_err)?,
-        None => None,
-    };
-    let last_membership = match get(MEMBERSHIP)? {
-        Some(v) => codec::decode(&v).map_err(read_err)?,
-        None => StoredMembership::default(),
-    };
-    let counters = match get(COUNTERS)? {
+    let stored = StoredMeta::read(|k| view.get(meta, k))?;
+    let (last_applied, last_membership) = (stored.last_applied, stored.membership);
+    let counters = match stored.counters {
         Some(v) => v.to_vec(),
         None => codec::to_vec(&Counters::default()).map_err(write_err)?,
     };
