@@ -7,11 +7,11 @@
 use crate::engine::{Batch, Effect, LogCommand, Push, PushOrigin, PushTarget, Recipient};
 use crate::metrics;
 use crate::raft::Raft;
-use crate::registry::{JobStreamRegistry, PushOutcome};
+use crate::registry::{JobStreamRegistry, PushOutcome, SentPush};
 use crate::store::sm::SharedState;
 use courier_proto::cluster::{broker_message, BrokerMessage, JobFinished, JobsAvailable};
 use courier_proto::domain::{
-    ActivationProps, BrokerError, Command, JobKey, NodeId, PartitionId, Reply,
+    ActivatedJob, ActivationProps, BrokerError, Command, JobKey, NodeId, PartitionId, Reply,
 };
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
@@ -395,7 +395,7 @@ fn carry_out(p: &Arc<Partition>, effects: Vec<Effect>, proposed: Option<Instant>
                     metrics::BACKFILLED.inc();
                 }
                 let created = proposed.filter(|_| push.origin == PushOrigin::Created);
-                tokio::spawn(run_push(p.clone(), *push, created));
+                start_push(p, *push, created);
             }
             Effect::Finished { key, lease } => {
                 // Tell the gateway holding it, whichever gateway finished it.
@@ -415,58 +415,89 @@ fn carry_out(p: &Arc<Partition>, effects: Vec<Effect>, proposed: Option<Instant>
     }
 }
 
-/// Sends a pushed job to its recipient, then to the other recipients of the same
-/// logical stream while they refuse; when all refuse, yields it back to the log. A
-/// push that got no answer is never retried: it may be running, and its activation
-/// deadline recovers it if not.
-async fn run_push(p: Arc<Partition>, push: Push, created: Option<Instant>) {
+/// Sends a pushed job to its recipient now, on the job path, and leaves waiting for
+/// the answer to a task of its own.
+fn start_push(p: &Arc<Partition>, push: Push, created: Option<Instant>) {
     let Push {
         target, lease, job, ..
     } = push;
-    let key = job.key;
-    let deadline = job.deadline;
-    let mut recipients = vec![target.recipient.clone()];
-    recipients.extend(p.registry.others(&target.props, &target.recipient));
-    let mut refused = true;
-    for (i, r) in recipients.iter().enumerate() {
-        // The first recipient's credit was held when the command was prepared; the
-        // others are tried only where credit is free.
-        if i > 0 && !p.registry.take_one(r) {
-            continue;
+    let sent = send_to(p, &target.recipient, true, lease, job.clone(), created);
+    tokio::spawn(finish_push(p.clone(), target, lease, job, sent));
+}
+
+/// Queues `job` for `recipient`. The first recipient's credit was held when the
+/// command was prepared; the others are tried only where credit is free. None when
+/// the recipient cannot be tried at all.
+fn send_to(
+    p: &Partition,
+    recipient: &Recipient,
+    first: bool,
+    lease: u64,
+    job: ActivatedJob,
+    created: Option<Instant>,
+) -> Option<Result<SentPush, PushOutcome>> {
+    if !first && !p.registry.take_one(recipient) {
+        return None;
+    }
+    let link = p.registry.link(recipient.link)?;
+    if !first {
+        metrics::TRY_NEXT.inc();
+    }
+    if let Some(t0) = created {
+        metrics::CREATE_TO_PUSH.observe(t0.elapsed().as_secs_f64());
+    }
+    Some(link.send_push(recipient.stream_id, p.id, lease, job))
+}
+
+/// Waits for the answer to a push, then tries the other recipients of the same
+/// logical stream while they refuse; when all refuse, yields the job back to the
+/// log. A push that got no answer is never retried: it may be running, and its
+/// activation deadline recovers it if not.
+async fn finish_push(
+    p: Arc<Partition>,
+    target: PushTarget,
+    lease: u64,
+    job: ActivatedJob,
+    first: Option<Result<SentPush, PushOutcome>>,
+) {
+    let (key, deadline) = (job.key, job.deadline);
+    let mut attempt = first.map(|sent| (target.recipient.clone(), sent));
+    let mut others = None;
+    loop {
+        if let Some((recipient, sent)) = attempt.take() {
+            let outcome = match sent {
+                Ok(sent) => sent.outcome().await,
+                Err(refused) => refused,
+            };
+            match outcome {
+                PushOutcome::Accepted => {
+                    metrics::PUSHES.with_label_values(&["accepted"]).inc();
+                    p.pushed.insert(key, (recipient.link, lease));
+                    return;
+                }
+                PushOutcome::Refused(reason) => {
+                    tracing::debug!(job = key.0, reason, "push refused");
+                    metrics::PUSHES
+                        .with_label_values(&[&format!("refused_{reason}")])
+                        .inc();
+                }
+                PushOutcome::Unknown => {
+                    metrics::PUSHES.with_label_values(&["unknown"]).inc();
+                    return;
+                }
+            }
         }
-        let Some(link) = p.registry.link(r.link) else {
-            continue;
+        let others = others.get_or_insert_with(|| {
+            p.registry
+                .others(&target.props, &target.recipient)
+                .into_iter()
+        });
+        let Some(next) = others.next() else {
+            break;
         };
-        if i > 0 {
-            metrics::TRY_NEXT.inc();
-        }
-        if let Some(t0) = created {
-            metrics::CREATE_TO_PUSH.observe(t0.elapsed().as_secs_f64());
-        }
-        let outcome = link.push(r.stream_id, p.id, lease, job.clone()).await;
-        match outcome {
-            PushOutcome::Accepted => {
-                metrics::PUSHES.with_label_values(&["accepted"]).inc();
-                p.pushed.insert(key, (r.link, lease));
-                refused = false;
-                break;
-            }
-            PushOutcome::Refused(reason) => {
-                tracing::debug!(job = key.0, reason, "push refused");
-                metrics::PUSHES
-                    .with_label_values(&[&format!("refused_{reason}")])
-                    .inc();
-            }
-            PushOutcome::Unknown => {
-                metrics::PUSHES.with_label_values(&["unknown"]).inc();
-                refused = false;
-                break;
-            }
-        }
+        attempt = send_to(&p, &next, false, lease, job.clone(), None).map(|sent| (next, sent));
     }
-    if refused {
-        p.queue_yield(key, lease, deadline);
-    }
+    p.queue_yield(key, lease, deadline);
 }
 
 impl Partition {
@@ -586,13 +617,11 @@ async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
         let applied = p.shared.applied.notified();
         tokio::pin!(applied);
         applied.as_mut().enable();
+        p.shared.timers_reading();
         let now = now_ms();
         let (timeouts, retries, next) = {
             let a = p.shared.read();
-            let next = [a.state.next_deadline(), a.state.next_retry()]
-                .into_iter()
-                .flatten()
-                .min();
+            let next = a.state.next_timer();
             (
                 a.state.due_deadlines(now, MAX_TIMER_KEYS),
                 a.state.due_retries(now, MAX_TIMER_KEYS),
@@ -621,9 +650,10 @@ async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
         if proposed {
             continue;
         }
-        let wait = next
-            .map(|t| (t - now).clamp(1, 1000) as u64)
-            .unwrap_or(1000);
+        let wait = next.map(|t| (t - now).clamp(1, 1000)).unwrap_or(1000);
+        // Applies that make nothing due before then do not wake this task.
+        p.shared.timers_wait_until(now + wait);
+        let wait = wait as u64;
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(Duration::from_millis(wait)) => {}

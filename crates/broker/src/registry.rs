@@ -47,12 +47,27 @@ pub struct Link {
 impl Link {
     /// Sends a job to `stream_id` on this gateway and waits for the gateway's answer.
     pub async fn push(
-        &self,
+        self: &Arc<Self>,
         stream_id: u64,
         partition: PartitionId,
         lease: u64,
         job: ActivatedJob,
     ) -> PushOutcome {
+        match self.send_push(stream_id, partition, lease, job) {
+            Ok(sent) => sent.outcome().await,
+            Err(refused) => refused,
+        }
+    }
+
+    /// Queues a job for `stream_id` on this gateway now, without waiting: the send is
+    /// on the job path, the answer is not. Refused when the link is full or gone.
+    pub fn send_push(
+        self: &Arc<Self>,
+        stream_id: u64,
+        partition: PartitionId,
+        lease: u64,
+        job: ActivatedJob,
+    ) -> Result<SentPush, PushOutcome> {
         let push_id = self.next_push.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.pending.insert(push_id, tx);
@@ -65,22 +80,21 @@ impl Link {
                 job: Some(job.into()),
             })),
         };
-        if let Err(e) = self.tx.try_send(msg) {
-            self.pending.remove(&push_id);
-            return PushOutcome::Refused(
-                match e {
-                    mpsc::error::TrySendError::Full(_) => "link_busy",
-                    mpsc::error::TrySendError::Closed(_) => "link_gone",
-                }
-                .to_string(),
-            );
-        }
-        match tokio::time::timeout(PUSH_ACK_TIMEOUT, rx).await {
-            Ok(Ok(outcome)) => outcome,
-            // The link ended (pending dropped) or no answer in time.
-            Ok(Err(_)) | Err(_) => {
+        match self.tx.try_send(msg) {
+            Ok(()) => Ok(SentPush {
+                link: self.clone(),
+                push_id,
+                rx,
+            }),
+            Err(e) => {
                 self.pending.remove(&push_id);
-                PushOutcome::Unknown
+                Err(PushOutcome::Refused(
+                    match e {
+                        mpsc::error::TrySendError::Full(_) => "link_busy",
+                        mpsc::error::TrySendError::Closed(_) => "link_gone",
+                    }
+                    .to_string(),
+                ))
             }
         }
     }
@@ -99,6 +113,27 @@ impl Link {
     /// Queues a message toward the gateway; false when the link is gone or full.
     pub fn send(&self, msg: BrokerMessage) -> bool {
         self.tx.try_send(msg).is_ok()
+    }
+}
+
+/// A push on its way to a gateway, waiting for the gateway's answer.
+pub struct SentPush {
+    link: Arc<Link>,
+    push_id: u64,
+    rx: oneshot::Receiver<PushOutcome>,
+}
+
+impl SentPush {
+    /// The gateway's answer, or [`PushOutcome::Unknown`] when none comes in time.
+    pub async fn outcome(self) -> PushOutcome {
+        match tokio::time::timeout(PUSH_ACK_TIMEOUT, self.rx).await {
+            Ok(Ok(outcome)) => outcome,
+            // The link ended (pending dropped) or no answer in time.
+            Ok(Err(_)) | Err(_) => {
+                self.link.pending.remove(&self.push_id);
+                PushOutcome::Unknown
+            }
+        }
     }
 }
 

@@ -231,6 +231,15 @@ impl State {
         self.deadlines.first().map(|(d, _)| *d)
     }
 
+    /// The earliest deadline or end of a retry back-off: when the timers have
+    /// something to do next.
+    pub fn next_timer(&self) -> Option<i64> {
+        self.next_deadline()
+            .into_iter()
+            .chain(self.next_retry())
+            .min()
+    }
+
     /// The earliest end of a retry back-off, if any job is in back-off.
     pub fn next_retry(&self) -> Option<i64> {
         self.backoffs.first().map(|(d, _)| *d)

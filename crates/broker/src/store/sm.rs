@@ -16,6 +16,7 @@ use openraft::{
 use serde::{Deserialize, Serialize};
 use std::io::Cursor;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use tokio::sync::Notify;
 
@@ -36,11 +37,23 @@ pub struct AppliedState {
 /// The applied state, shared with the partition's leader-side tasks (timers, reads).
 pub struct SharedState {
     inner: RwLock<AppliedState>,
-    /// Woken after every apply, so timers re-read the earliest deadline.
+    /// Woken after an apply that makes a deadline or a retry due before `timer_at`,
+    /// so the timers re-read the earliest one.
     pub applied: Notify,
+    /// When (epoch ms) the partition's timers next look at the state by themselves;
+    /// `i64::MAX` while they are reading it (every apply with a timer wakes them).
+    timer_at: AtomicI64,
 }
 
 impl SharedState {
+    fn new(applied: AppliedState) -> SharedState {
+        SharedState {
+            inner: RwLock::new(applied),
+            applied: Notify::new(),
+            timer_at: AtomicI64::new(i64::MAX),
+        }
+    }
+
     /// Reads the applied state. Never held across an await.
     pub fn read(&self) -> RwLockReadGuard<'_, AppliedState> {
         self.inner.read().unwrap_or_else(|p| p.into_inner())
@@ -48,6 +61,25 @@ impl SharedState {
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, AppliedState> {
         self.inner.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The timers are about to read the state: until [`SharedState::timers_wait_until`],
+    /// every apply that leaves a deadline or a retry wakes them.
+    pub fn timers_reading(&self) {
+        self.timer_at.store(i64::MAX, Ordering::SeqCst);
+    }
+
+    /// The timers look at the state again at `at` (epoch ms) by themselves: only an
+    /// apply that makes something due earlier wakes them before.
+    pub fn timers_wait_until(&self, at: i64) {
+        self.timer_at.store(at, Ordering::SeqCst);
+    }
+
+    /// After an apply whose earliest deadline or retry is `next`.
+    fn applied(&self, next: Option<i64>) {
+        if next.is_some_and(|n| n < self.timer_at.load(Ordering::SeqCst)) {
+            self.applied.notify_waiters();
+        }
     }
 }
 
@@ -134,14 +166,11 @@ impl StateMachine {
             db: db.clone(),
             jobs,
             meta,
-            shared: Arc::new(SharedState {
-                inner: RwLock::new(AppliedState {
-                    state: State::from_parts(partition, counters, loaded),
-                    last_applied,
-                    membership,
-                }),
-                applied: Notify::new(),
-            }),
+            shared: Arc::new(SharedState::new(AppliedState {
+                state: State::from_parts(partition, counters, loaded),
+                last_applied,
+                membership,
+            })),
             snapshot: Arc::new(Mutex::new(snapshot)),
             snapshot_path,
         })
@@ -241,6 +270,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     {
         let mut replies = Vec::new();
         let mut changes = Changes::new();
+        let next;
         {
             let mut a = self.shared.write();
             for entry in entries {
@@ -256,8 +286,9 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 replies.push(reply);
             }
             self.persist(&a, &changes)?;
+            next = a.state.next_timer();
         }
-        self.shared.applied.notify_waiters();
+        self.shared.applied(next);
         Ok(replies)
     }
 
@@ -314,6 +345,8 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             batch.commit().map_err(write_err)?;
         }
         *self.snapshot.lock().unwrap_or_else(|p| p.into_inner()) = Some(stored);
+        // The installed state may hold anything: the timers read it again.
+        self.shared.timers_reading();
         self.shared.applied.notify_waiters();
         Ok(())
     }
@@ -450,6 +483,35 @@ mod tests {
     use crate::store::Durability;
     use courier_proto::domain::{Command, NewJob, ProcessContext, DEFAULT_TENANT};
     use openraft::{CommittedLeaderId, RaftSnapshotBuilder};
+
+    /// Applies wake the timers only when they make something due before the time the
+    /// timers look again by themselves, and always while the timers read the state.
+    #[test]
+    fn timers_are_woken_only_for_something_due_sooner() {
+        use futures::FutureExt;
+        let shared = SharedState::new(AppliedState {
+            state: State::from_parts(PartitionId(1), Counters::default(), Vec::new()),
+            last_applied: None,
+            membership: StoredMembership::default(),
+        });
+        let woken = |next: Option<i64>| {
+            let n = shared.applied.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            shared.applied(next);
+            n.now_or_never().is_some()
+        };
+        // Before the timers ever waited, and while they read: any timer wakes them.
+        assert!(woken(Some(i64::MAX - 1)));
+        shared.timers_wait_until(1_000);
+        assert!(!woken(Some(1_000)));
+        assert!(!woken(Some(5_000)));
+        assert!(!woken(None));
+        assert!(woken(Some(999)));
+        shared.timers_reading();
+        assert!(woken(Some(5_000)));
+        assert!(!woken(None));
+    }
 
     fn create(index: u64, jobs: usize) -> Entry<TypeConfig> {
         let job = NewJob {
