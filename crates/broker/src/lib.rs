@@ -220,7 +220,8 @@ async fn initialize(config: Arc<BrokerConfig>, part: Arc<Partition>, shutdown: C
 
 /// Keeps the leadership gauge of a partition current.
 async fn track_leadership(part: Arc<Partition>, shutdown: CancellationToken) {
-    let mut m = part.raft.metrics();
+    // Changes of role or leader only, not every entry.
+    let mut m = part.raft.server_metrics();
     let gauge =
         metrics::LEADER.with_label_values(&[&part.node_id.to_string(), &part.id.to_string()]);
     loop {

@@ -238,13 +238,15 @@ impl Partition {
 
     /// Whether this replica leads its partition now.
     pub fn is_leader(&self) -> bool {
-        let m = self.raft.metrics();
+        // The server metrics change with role and leader only; the full metrics
+        // change with every entry, and their lock with them.
+        let m = self.raft.server_metrics();
         let m = m.borrow();
         m.state == ServerState::Leader
     }
 
     fn check_leader(&self) -> Result<(), BrokerError> {
-        let m = self.raft.metrics();
+        let m = self.raft.server_metrics();
         let m = m.borrow();
         if m.state == ServerState::Leader {
             Ok(())
@@ -586,7 +588,8 @@ async fn run_yields(p: Arc<Partition>, shutdown: CancellationToken) {
 /// While leader: proposes TimeOut for activations past their deadline and Recur
 /// for jobs past their retry back-off. Apply re-checks both against the entry's time.
 async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
-    let mut metrics_rx = p.raft.metrics();
+    // Woken by changes of role or leader, not by every entry.
+    let mut metrics_rx = p.raft.server_metrics();
     let mut was_leader = false;
     loop {
         if !p.is_leader() {
