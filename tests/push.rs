@@ -219,6 +219,9 @@ async fn a_client_that_dies_mid_stream_loses_nothing() {
             "job {k} held by the dead client was never redone"
         );
     }
+    // Pushes to the dead client, refused, timed out or finished late: none is left
+    // tracked once every job is done.
+    wait_pushed_active(&cluster, 0.0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -280,6 +283,7 @@ async fn failed_and_timed_out_jobs_are_pushed_again() {
         .key;
     let first = next(&mut s).await;
     assert_eq!(first.key, key);
+    wait_pushed_active(&cluster, 1.0).await;
     // Fail with retries and no back-off: runnable at once, pushed at once.
     c.fail_job(key, 2, "retry me", Duration::ZERO)
         .await
@@ -295,7 +299,25 @@ async fn failed_and_timed_out_jobs_are_pushed_again() {
         "{:?}",
         t0.elapsed()
     );
+    wait_pushed_active(&cluster, 1.0).await;
     c.complete_job(key, "").await.expect("complete");
+    // The leader forgets a pushed job once its last activation ends.
+    wait_pushed_active(&cluster, 0.0).await;
+}
+
+/// Waits until the leaders track `n` pushed jobs whose activation has not ended.
+async fn wait_pushed_active(cluster: &Cluster, n: f64) {
+    wait_until(
+        Duration::from_secs(10),
+        &format!("{n} pushed jobs are active"),
+        || async {
+            cluster
+                .broker_metric("courier_broker_pushed_jobs_active")
+                .await
+                == n
+        },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

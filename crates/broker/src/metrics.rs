@@ -165,6 +165,18 @@ pub static STREAMS: LazyLock<IntGauge> = LazyLock::new(|| {
     )))
 });
 
+/// Jobs a partition leader pushed whose activation has not ended yet: the ones whose
+/// end it will tell the gateway holding them about.
+pub static PUSHED_HELD: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    register(built(IntGaugeVec::new(
+        Opts::new(
+            "courier_broker_pushed_jobs_active",
+            "Pushed jobs whose activation has not ended, per partition led here",
+        ),
+        &["node", "partition"],
+    )))
+});
+
 /// Push attempts by outcome: accepted, refused (with the gateway's reason), unknown.
 pub static PUSHES: LazyLock<IntCounterVec> = LazyLock::new(|| {
     register(built(IntCounterVec::new(
@@ -228,6 +240,7 @@ mod tests {
         super::LEADER.with_label_values(&["1", "1"]).set(1);
         super::LINKS.with_label_values(&["1"]).set(0);
         super::STREAMS.set(0);
+        super::PUSHED_HELD.with_label_values(&["1", "1"]).set(0);
         super::PUSHES.with_label_values(&["accepted"]).inc();
         super::TRY_NEXT.inc();
         super::YIELDS.with_label_values(&["gateway"]).inc();
@@ -241,6 +254,7 @@ mod tests {
             "courier_broker_batch_commands",
             "courier_broker_commit_seconds",
             "courier_broker_partition_leader",
+            "courier_broker_pushed_jobs_active",
         ] {
             assert!(names.iter().any(|x| x == n), "{n} missing from {names:?}");
         }

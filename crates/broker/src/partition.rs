@@ -99,6 +99,7 @@ pub struct Partition {
     /// Jobs this leader pushed and a gateway took: key -> (link, lease), so the end
     /// of their activation can free the credit on that gateway. Leader-local.
     pushed: dashmap::DashMap<JobKey, (u64, u64)>,
+    pushed_gauge: prometheus::IntGauge,
     /// Yields waiting for the next paced batch: (key, lease, deadline).
     yields: Mutex<Vec<(JobKey, u64, i64)>>,
     yield_wake: Notify,
@@ -128,6 +129,8 @@ impl Partition {
             registry,
             notices,
             pushed: dashmap::DashMap::new(),
+            pushed_gauge: metrics::PUSHED_HELD
+                .with_label_values(&[&node_id.to_string(), &id.to_string()]),
             yields: Mutex::new(Vec::new()),
             yield_wake: Notify::new(),
             shutdown: shutdown.clone(),
@@ -400,8 +403,10 @@ fn carry_out(p: &Arc<Partition>, effects: Vec<Effect>, proposed: Option<Instant>
                 start_push(p, *push, created);
             }
             Effect::Finished { key, lease } => {
-                // Tell the gateway holding it, whichever gateway finished it.
-                let held = p.pushed.remove_if(&key, |_, (_, l)| *l == lease);
+                // Tell the gateway holding it, whichever gateway finished it. An
+                // entry of an older activation goes too: the job has moved on.
+                let held = p.pushed.remove(&key).filter(|(_, (_, l))| *l == lease);
+                p.pushed_changed();
                 if let Some((_, (link, _))) = held {
                     if let Some(link) = p.registry.link(link) {
                         link.send(BrokerMessage {
@@ -423,6 +428,10 @@ fn start_push(p: &Arc<Partition>, push: Push, created: Option<Instant>) {
     let Push {
         target, lease, job, ..
     } = push;
+    // Recorded before the push leaves: the job may finish before its ack arrives,
+    // and the end of its activation must find (and remove) the entry.
+    p.pushed.insert(job.key, (target.recipient.link, lease));
+    p.pushed_changed();
     let sent = send_to(p, &target.recipient, true, lease, job.clone(), created);
     tokio::spawn(finish_push(p.clone(), target, lease, job, sent));
 }
@@ -463,10 +472,10 @@ async fn finish_push(
     first: Option<Result<SentPush, PushOutcome>>,
 ) {
     let (key, deadline) = (job.key, job.deadline);
-    let mut attempt = first.map(|sent| (target.recipient.clone(), sent));
+    let mut attempt = first;
     let mut others = None;
     loop {
-        if let Some((recipient, sent)) = attempt.take() {
+        if let Some(sent) = attempt.take() {
             let outcome = match sent {
                 Ok(sent) => sent.outcome().await,
                 Err(refused) => refused,
@@ -474,7 +483,6 @@ async fn finish_push(
             match outcome {
                 PushOutcome::Accepted => {
                     metrics::PUSHES.with_label_values(&["accepted"]).inc();
-                    p.pushed.insert(key, (recipient.link, lease));
                     return;
                 }
                 PushOutcome::Refused(reason) => {
@@ -484,6 +492,8 @@ async fn finish_push(
                         .inc();
                 }
                 PushOutcome::Unknown => {
+                    // The entry stays: the gateway may hold the job, and is told
+                    // when its activation ends.
                     metrics::PUSHES.with_label_values(&["unknown"]).inc();
                     return;
                 }
@@ -497,12 +507,22 @@ async fn finish_push(
         let Some(next) = others.next() else {
             break;
         };
-        attempt = send_to(&p, &next, false, lease, job.clone(), None).map(|sent| (next, sent));
+        // Unless the activation already ended, its entry follows the job.
+        if let Some(mut held) = p.pushed.get_mut(&key).filter(|h| h.1 == lease) {
+            held.0 = next.link;
+        }
+        attempt = send_to(&p, &next, false, lease, job.clone(), None);
     }
+    p.pushed.remove_if(&key, |_, (_, l)| *l == lease);
+    p.pushed_changed();
     p.queue_yield(key, lease, deadline);
 }
 
 impl Partition {
+    fn pushed_changed(&self) {
+        self.pushed_gauge.set(self.pushed.len() as i64);
+    }
+
     /// Queues a yield for the next paced batch.
     pub fn queue_yield(&self, key: JobKey, lease: u64, deadline: i64) {
         self.yields
@@ -593,6 +613,11 @@ async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
     let mut was_leader = false;
     loop {
         if !p.is_leader() {
+            if was_leader {
+                // Ends of activations are carried out by the next leader now.
+                p.pushed.clear();
+                p.pushed_changed();
+            }
             was_leader = false;
             tokio::select! {
                 _ = shutdown.cancelled() => return,
