@@ -261,6 +261,17 @@ async fn jobs_created_before_any_worker_are_backfilled_by_push() {
 }
 
 /// The next pushed job, within 5 s.
+/// Creates a job of `job_type` and waits until `s` is pushed it.
+async fn create_pushed(c: &Client, s: &mut tonic::Streaming<ActivatedJob>, job_type: &str) -> i64 {
+    let key = c
+        .create_job(NewJob::new(job_type))
+        .await
+        .expect("create")
+        .key;
+    assert_eq!(next(s).await.key, key);
+    key
+}
+
 async fn next(s: &mut tonic::Streaming<ActivatedJob>) -> ActivatedJob {
     tokio::time::timeout(Duration::from_secs(5), s.message())
         .await
@@ -437,4 +448,47 @@ async fn a_killed_gateway_is_dropped_at_once_and_workers_move_to_another() {
         .broker_metric("courier_broker_push_attempts_total{outcome=\"unknown\"}")
         .await;
     assert_eq!(unknown, 0.0, "pushes without an answer");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_is_told_of_a_pushed_jobs_end_only_when_another_ended_it() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts::default()).await;
+    let other = cluster.add_gateway();
+    let here = cluster.client();
+    let there = cluster.client_of(other);
+    let mut s = open_stream(&cluster.gateway_addr, "ends", Duration::from_secs(30)).await;
+    wait_registered(&cluster, 3.0).await;
+    let notices = |outcome: &'static str| {
+        let cluster = &cluster;
+        async move {
+            cluster
+                .broker_metric(&format!(
+                    "courier_broker_finished_notices_total{{outcome=\"{outcome}\"}}"
+                ))
+                .await
+        }
+    };
+
+    // Completed through the gateway holding it: that gateway already knows.
+    let key = create_pushed(&here, &mut s, "ends").await;
+    here.complete_job(key, "").await.expect("complete");
+    wait_until(Duration::from_secs(10), "the end counted", || async {
+        notices("sender").await == 1.0
+    })
+    .await;
+    assert_eq!(notices("sent").await, 0.0);
+
+    // Failed through another gateway: the one holding it is told.
+    let key = create_pushed(&here, &mut s, "ends").await;
+    there
+        .fail_job(key, 0, "no retries", Duration::ZERO)
+        .await
+        .expect("fail");
+    wait_until(Duration::from_secs(10), "the holder told", || async {
+        notices("sent").await == 1.0
+    })
+    .await;
+    assert_eq!(notices("sender").await, 1.0);
+    wait_pushed_active(&cluster, 0.0).await;
 }

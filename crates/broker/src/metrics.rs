@@ -177,6 +177,18 @@ pub static PUSHED_HELD: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     )))
 });
 
+/// Ends of pushed jobs' activations: told to the gateway holding the job ("sent"), or
+/// not, because that gateway sent the command that ended it ("sender").
+pub static FINISHED_NOTICES: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    register(built(IntCounterVec::new(
+        Opts::new(
+            "courier_broker_finished_notices_total",
+            "Ends of pushed jobs' activations, by whether the holding gateway was told",
+        ),
+        &["outcome"],
+    )))
+});
+
 /// Push attempts by outcome: accepted, refused (with the gateway's reason), unknown.
 pub static PUSHES: LazyLock<IntCounterVec> = LazyLock::new(|| {
     register(built(IntCounterVec::new(
@@ -240,6 +252,7 @@ mod tests {
         super::LEADER.with_label_values(&["1", "1"]).set(1);
         super::LINKS.with_label_values(&["1"]).set(0);
         super::STREAMS.set(0);
+        super::FINISHED_NOTICES.with_label_values(&["sent"]).inc();
         super::PUSHED_HELD.with_label_values(&["1", "1"]).set(0);
         super::PUSHES.with_label_values(&["accepted"]).inc();
         super::TRY_NEXT.inc();

@@ -52,6 +52,9 @@ pub fn now_ms() -> i64 {
 
 struct Proposal {
     cmd: LogCommand,
+    /// The gateway that sent a command ending an activation (complete, fail, throw
+    /// error): it needs no word from this leader about that end.
+    ends_from: Option<(JobKey, Arc<str>)>,
     reply: oneshot::Sender<Result<Reply, BrokerError>>,
 }
 
@@ -144,8 +147,27 @@ impl Partition {
 
     /// Prepares a client's command with the leader's push decisions and replicates it.
     pub async fn submit(&self, cmd: Command) -> Result<Reply, BrokerError> {
+        self.submit_from(cmd, None).await
+    }
+
+    /// [`Partition::submit`] for a command sent by the gateway with id `gateway`.
+    pub async fn submit_from(
+        &self,
+        cmd: Command,
+        gateway: Option<Arc<str>>,
+    ) -> Result<Reply, BrokerError> {
+        let ends_from = match (&cmd, gateway) {
+            (
+                Command::Complete { key, .. }
+                | Command::Fail { key, .. }
+                | Command::ThrowError { key, .. },
+                Some(g),
+            ) => Some((*key, g)),
+            _ => None,
+        };
         let push = self.push_targets(&cmd);
-        self.propose(LogCommand::Client { cmd, push }).await
+        self.propose_from(LogCommand::Client { cmd, push }, ends_from)
+            .await
     }
 
     /// The streams that may take the jobs this command makes runnable: decided here,
@@ -198,13 +220,25 @@ impl Partition {
     /// Replicates `cmd` and answers once it is committed and applied. Credit held
     /// for its push targets goes back if it is never proposed.
     pub async fn propose(&self, cmd: LogCommand) -> Result<Reply, BrokerError> {
+        self.propose_from(cmd, None).await
+    }
+
+    async fn propose_from(
+        &self,
+        cmd: LogCommand,
+        ends_from: Option<(JobKey, Arc<str>)>,
+    ) -> Result<Reply, BrokerError> {
         if let Err(e) = self.check_leader() {
             self.refund_targets(&cmd);
             return Err(e);
         }
         let (tx, rx) = oneshot::channel();
         self.proposals
-            .try_send(Proposal { cmd, reply: tx })
+            .try_send(Proposal {
+                cmd,
+                ends_from,
+                reply: tx,
+            })
             .map_err(|e| match e {
                 mpsc::error::TrySendError::Full(p) => {
                     self.refund_targets(&p.cmd);
@@ -307,7 +341,14 @@ async fn run_proposer(
 
 /// Proposes one entry and answers each of its commands.
 async fn write(p: Arc<Partition>, batch: Vec<Proposal>) {
-    let (commands, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|b| (b.cmd, b.reply)).unzip();
+    let mut ends_from = BTreeMap::new();
+    let mut commands = Vec::with_capacity(batch.len());
+    let mut replies = Vec::with_capacity(batch.len());
+    for b in batch {
+        commands.push(b.cmd);
+        replies.push(b.reply);
+        ends_from.extend(b.ends_from);
+    }
     // Credit held for this entry's push targets; what apply does not use goes back.
     let mut held: BTreeMap<Recipient, u64> = BTreeMap::new();
     for c in &commands {
@@ -338,7 +379,7 @@ async fn write(p: Arc<Partition>, batch: Vec<Proposal>) {
                 p.registry.refund(&r, n);
             }
             // Pushes first: they are the job path's latency.
-            carry_out(&p, resp.data.effects, Some(started));
+            carry_out(&p, resp.data.effects, Some(started), &ends_from);
             for (reply, tx) in resp.data.replies.into_iter().zip(replies) {
                 let _ = tx.send(reply);
             }
@@ -382,8 +423,14 @@ fn targets_of(c: &LogCommand) -> &[PushTarget] {
 }
 
 /// Carries out the effects of an applied entry, on the leader only (only the
-/// proposer gets them). `proposed` is when the entry was proposed.
-fn carry_out(p: &Arc<Partition>, effects: Vec<Effect>, proposed: Option<Instant>) {
+/// proposer gets them). `proposed` is when the entry was proposed; `ends_from`,
+/// which gateway sent the entry's commands that end activations.
+fn carry_out(
+    p: &Arc<Partition>,
+    effects: Vec<Effect>,
+    proposed: Option<Instant>,
+    ends_from: &BTreeMap<JobKey, Arc<str>>,
+) {
     for e in effects {
         match e {
             Effect::JobsAvailable { job_type, .. } => {
@@ -408,14 +455,24 @@ fn carry_out(p: &Arc<Partition>, effects: Vec<Effect>, proposed: Option<Instant>
                 let held = p.pushed.remove(&key).filter(|(_, (_, l))| *l == lease);
                 p.pushed_changed();
                 if let Some((_, (link, _))) = held {
-                    if let Some(link) = p.registry.link(link) {
-                        link.send(BrokerMessage {
-                            kind: Some(broker_message::Kind::Finished(JobFinished {
-                                key: key.0,
-                                lease,
-                            })),
-                        });
+                    let Some(link) = p.registry.link(link) else {
+                        continue;
+                    };
+                    // The gateway that sent the command knows: it released the job's
+                    // credit when the command came through it.
+                    if ends_from.get(&key).is_some_and(|g| link.is_gateway(g)) {
+                        metrics::FINISHED_NOTICES
+                            .with_label_values(&["sender"])
+                            .inc();
+                        continue;
                     }
+                    metrics::FINISHED_NOTICES.with_label_values(&["sent"]).inc();
+                    link.send(BrokerMessage {
+                        kind: Some(broker_message::Kind::Finished(JobFinished {
+                            key: key.0,
+                            lease,
+                        })),
+                    });
                 }
             }
         }
@@ -637,7 +694,7 @@ async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
                     tenant_id,
                 })
                 .collect();
-            carry_out(&p, effects, None);
+            carry_out(&p, effects, None, &BTreeMap::new());
             for props in p.registry.all_props() {
                 p.backfill(props);
             }

@@ -110,6 +110,11 @@ impl Link {
         }
     }
 
+    /// Whether the gateway at the other end said `id` in its hello.
+    pub fn is_gateway(&self, id: &str) -> bool {
+        *self.gateway.lock().unwrap_or_else(|e| e.into_inner()) == id
+    }
+
     /// Queues a message toward the gateway; false when the link is gone or full.
     pub fn send(&self, msg: BrokerMessage) -> bool {
         self.tx.try_send(msg).is_ok()

@@ -141,13 +141,20 @@ pub struct BrokerService {
 
 impl BrokerService {
     /// Runs one command from a gateway: the encoded reply, or why it could not run.
-    async fn execute_one(&self, r: ExecuteRequest) -> Result<bytes::Bytes, Status> {
+    async fn execute_one(
+        &self,
+        r: ExecuteRequest,
+        gateway: Option<Arc<str>>,
+    ) -> Result<bytes::Bytes, Status> {
         let request: Request =
             codec::decode(&r.request).map_err(|e| malformed("execute request", e))?;
         let kind = request_kind(&request);
         let span = tracing::debug_span!("execute", partition = r.partition_id, kind);
         let started = std::time::Instant::now();
-        let result = self.run(r.partition_id, request).instrument(span).await;
+        let result = self
+            .run(r.partition_id, request, gateway)
+            .instrument(span)
+            .await;
         metrics::REQUESTS
             .with_label_values(&[kind, outcome(&result)])
             .inc();
@@ -157,7 +164,12 @@ impl BrokerService {
         encode(&result)
     }
 
-    async fn run(&self, partition: u32, request: Request) -> Result<Reply, BrokerError> {
+    async fn run(
+        &self,
+        partition: u32,
+        request: Request,
+        gateway: Option<Arc<str>>,
+    ) -> Result<Reply, BrokerError> {
         let Some(p) = self.partitions.get(&partition) else {
             return Err(BrokerError::NotLeader {
                 partition: PartitionId(partition),
@@ -165,7 +177,7 @@ impl BrokerService {
             });
         };
         match request {
-            Request::Command(c) => p.submit(c).await,
+            Request::Command(c) => p.submit_from(c, gateway).await,
             Request::GetJob { key } => p.get_job(key),
         }
     }
@@ -288,10 +300,15 @@ impl cluster::broker_server::Broker for BrokerService {
         req: GrpcRequest<Streaming<ExecuteRequest>>,
     ) -> Result<Response<Self::ExecuteStream>, Status> {
         let service = self.clone();
+        let gateway: Option<Arc<str>> = req
+            .metadata()
+            .get(courier_proto::GATEWAY_ID_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(Arc::from);
         let replies = mux::serve(req.into_inner(), self.shutdown.clone(), move |r| {
-            let service = service.clone();
+            let (service, gateway) = (service.clone(), gateway.clone());
             async move {
-                match service.execute_one(r).await {
+                match service.execute_one(r, gateway).await {
                     Ok(reply) => ExecuteReply {
                         reply,
                         ..ExecuteReply::default()

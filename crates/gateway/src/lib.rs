@@ -127,7 +127,7 @@ pub async fn serve(
         topology.clone(),
         queue.clone(),
         streams.clone(),
-        gateway_id,
+        gateway_id.clone(),
         stop.clone(),
     );
     tasks.spawn(links.supervise(tasks.clone()));
@@ -139,6 +139,7 @@ pub async fn serve(
         config.default_long_poll,
         config.default_request_timeout,
         config.push_enabled,
+        &gateway_id,
         stop.clone(),
     );
     // Zeebe's clients (the Node.js SDK always) compress requests with gzip; answers

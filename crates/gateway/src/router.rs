@@ -55,6 +55,8 @@ type Commands = Mux<ExecuteRequest, ExecuteReply>;
 #[derive(Clone)]
 pub struct Router {
     topology: Arc<Topology>,
+    /// Sent with every command stream (see [`courier_proto::GATEWAY_ID_HEADER`]).
+    gateway_id: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
     shutdown: CancellationToken,
     /// By broker address.
     streams: Arc<Mutex<HashMap<String, Arc<Commands>>>>,
@@ -62,9 +64,12 @@ pub struct Router {
 
 impl Router {
     /// A router over `topology`; retries stop when `shutdown` is cancelled.
-    pub fn new(topology: Arc<Topology>, shutdown: CancellationToken) -> Self {
+    pub fn new(topology: Arc<Topology>, gateway_id: &str, shutdown: CancellationToken) -> Self {
         Router {
             topology,
+            // An id that is not ASCII is not sent: brokers then tell this gateway
+            // about every end of a job it holds, which is only more messages.
+            gateway_id: gateway_id.parse().ok(),
             shutdown,
             streams: Arc::default(),
         }
@@ -184,11 +189,18 @@ impl Router {
             self.topology.request_refresh();
             return Err(Failed::NoLeader);
         };
+        let gateway_id = self.gateway_id.clone();
         let open = |requests| async move {
+            let mut request = tonic::Request::new(requests);
+            if let Some(id) = gateway_id {
+                request
+                    .metadata_mut()
+                    .insert(courier_proto::GATEWAY_ID_HEADER, id);
+            }
             let replies = BrokerClient::new(channel)
                 .max_decoding_message_size(MAX_BROKER_MESSAGE)
                 .max_encoding_message_size(MAX_BROKER_MESSAGE)
-                .execute(requests)
+                .execute(request)
                 .await?;
             Ok(replies.into_inner())
         };

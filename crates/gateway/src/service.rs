@@ -76,6 +76,7 @@ pub struct Shared {
 
 impl Shared {
     /// The state both services work on.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         topology: Arc<Topology>,
         queue: Arc<LongPollQueue>,
@@ -83,10 +84,11 @@ impl Shared {
         default_long_poll: Duration,
         default_request_timeout: Duration,
         push_enabled: bool,
+        gateway_id: &str,
         shutdown: CancellationToken,
     ) -> Arc<Self> {
         Arc::new(Shared {
-            router: Router::new(topology.clone(), shutdown.clone()),
+            router: Router::new(topology.clone(), gateway_id, shutdown.clone()),
             topology,
             queue,
             streams,
