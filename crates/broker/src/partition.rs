@@ -99,8 +99,9 @@ pub struct Partition {
     proposals: mpsc::Sender<Proposal>,
     registry: Arc<JobStreamRegistry>,
     notices: Notices,
-    /// Jobs this leader pushed and a gateway took: key -> (link, lease), so the end
-    /// of their activation can free the credit on that gateway. Leader-local.
+    /// Jobs this leader pushed, from the moment the push leaves until the end of
+    /// their activation: key -> (link, lease), so that end can free the credit on
+    /// the gateway holding the job. Leader-local.
     pushed: dashmap::DashMap<JobKey, (u64, u64)>,
     pushed_gauge: prometheus::IntGauge,
     /// Yields waiting for the next paced batch: (key, lease, deadline).
