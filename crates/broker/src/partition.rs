@@ -147,12 +147,8 @@ impl Partition {
     }
 
     /// Prepares a client's command with the leader's push decisions and replicates it.
-    pub async fn submit(&self, cmd: Command) -> Result<Reply, BrokerError> {
-        self.submit_from(cmd, None).await
-    }
-
-    /// [`Partition::submit`] for a command sent by the gateway with id `gateway`.
-    pub async fn submit_from(
+    /// `gateway`, the id of the gateway that sent it, if it said.
+    pub async fn submit(
         &self,
         cmd: Command,
         gateway: Option<Arc<str>>,

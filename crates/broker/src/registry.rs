@@ -45,20 +45,6 @@ pub struct Link {
 }
 
 impl Link {
-    /// Sends a job to `stream_id` on this gateway and waits for the gateway's answer.
-    pub async fn push(
-        self: &Arc<Self>,
-        stream_id: u64,
-        partition: PartitionId,
-        lease: u64,
-        job: ActivatedJob,
-    ) -> PushOutcome {
-        match self.send_push(stream_id, partition, lease, job) {
-            Ok(sent) => sent.outcome().await,
-            Err(refused) => refused,
-        }
-    }
-
     /// Queues a job for `stream_id` on this gateway now, without waiting: the send is
     /// on the job path, the answer is not. Refused when the link is full or gone.
     pub fn send_push(
@@ -540,6 +526,16 @@ mod tests {
             tenant_id: DEFAULT_TENANT.into(),
             process: Default::default(),
         };
+        // Sent, then the gateway's answer (or none), as the leader's pushes are.
+        let push = |link: &Arc<Link>, lease: u64, job: ActivatedJob| {
+            let sent = link.send_push(9, PartitionId(2), lease, job);
+            async move {
+                match sent {
+                    Ok(sent) => sent.outcome().await,
+                    Err(refused) => refused,
+                }
+            }
+        };
         let l = link.clone();
         let answer = tokio::spawn(async move {
             let Some(BrokerMessage {
@@ -552,18 +548,15 @@ mod tests {
             l.acked(p.push_id, false, "clients_full".into());
             rx
         });
-        let outcome = link.push(9, PartitionId(2), 4, job.clone()).await;
+        let outcome = push(&link, 4, job.clone()).await;
         assert_eq!(outcome, PushOutcome::Refused("clients_full".into()));
         let _rx = answer.await.expect("answered");
         // No answer at all: unknown after the ack timeout, never a retry.
-        assert_eq!(
-            link.push(9, PartitionId(2), 5, job.clone()).await,
-            PushOutcome::Unknown
-        );
+        assert_eq!(push(&link, 5, job.clone()).await, PushOutcome::Unknown);
         // The link ended before the answer: unknown as well.
         let l = link.clone();
         let id = link.id;
-        let pending = tokio::spawn(async move { l.push(9, PartitionId(2), 6, job).await });
+        let pending = tokio::spawn(push(&l, 6, job));
         tokio::task::yield_now().await;
         reg.remove_link(id);
         assert_eq!(pending.await.expect("push"), PushOutcome::Unknown);

@@ -177,7 +177,7 @@ impl BrokerService {
             });
         };
         match request {
-            Request::Command(c) => p.submit_from(c, gateway).await,
+            Request::Command(c) => p.submit(c, gateway).await,
             Request::GetJob { key } => p.get_job(key),
         }
     }

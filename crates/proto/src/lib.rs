@@ -39,12 +39,12 @@ pub mod courier {
 }
 
 pub use courier::cluster;
+pub use courier::v1 as courier_v1;
 
 /// Metadata on a gateway's command stream to a broker: the gateway's id, as in the
 /// hello of its link. A broker does not tell a gateway about the end of a pushed
 /// job's activation when that gateway itself sent the command that ended it.
 pub const GATEWAY_ID_HEADER: &str = "courier-gateway-id";
-pub use courier::v1 as courier_v1;
 
 macro_rules! frame {
     ($($t:ty),*) => {$(
