@@ -47,6 +47,7 @@ fn new_job() -> NewJob {
 fn create_batch(ts: i64) -> Batch {
     Batch {
         ts,
+        on_flushed: Default::default(),
         commands: vec![LogCommand::Client {
             cmd: Command::Create((0..BATCH).map(|_| new_job()).collect()),
             push: vec![PushTarget {
@@ -64,6 +65,7 @@ fn create_batch(ts: i64) -> Batch {
 fn complete_batch(ts: i64, keys: &[JobKey]) -> Batch {
     Batch {
         ts,
+        on_flushed: Default::default(),
         commands: keys
             .iter()
             .map(|&key| {
@@ -85,6 +87,7 @@ fn loaded_state(n: usize) -> State {
     for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
         let batch = Batch {
             ts: 1,
+            on_flushed: Default::default(),
             commands: vec![LogCommand::client(Command::Create(
                 chunk.iter().map(|_| other.clone()).collect(),
             ))],
@@ -121,6 +124,7 @@ fn engine(c: &mut Criterion) {
         p.job_type = "backlog".into();
         let batch = Batch {
             ts: 2,
+            on_flushed: Default::default(),
             commands: vec![LogCommand::Backfill {
                 target: PushTarget {
                     props: p,

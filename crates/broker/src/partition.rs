@@ -1,10 +1,12 @@
 //! One partition on this broker: its Raft node, its proposer and its leader-side timers.
 //!
 //! The proposer is group commit at the application level: Raft entries are
-//! expensive and commands are cheap, so everything waiting is drained into one
-//! [`Batch`] while earlier entries are in flight.
+//! expensive and commands are cheap, so everything that arrives while Raft flushes
+//! the previous entry is drained into one [`Batch`] (see [`ready_to_propose`]).
 
-use crate::engine::{Batch, Effect, LogCommand, Push, PushOrigin, PushTarget, Recipient};
+use crate::engine::{
+    Batch, Effect, FlushSignal, LogCommand, Push, PushOrigin, PushTarget, Recipient,
+};
 use crate::metrics;
 use crate::raft::Raft;
 use crate::registry::{JobStreamRegistry, PushOutcome, SentPush};
@@ -305,11 +307,26 @@ async fn run_proposer(
     let mut inflight = FuturesUnordered::new();
     let mut pending: Vec<Proposal> = Vec::new();
     let mut pending_bytes = 0usize;
+    // The entry Raft has not yet made durable in this replica's log: (its number,
+    // the receiver its flush signal fires). Raft appends one entry at a time, so
+    // the next waits in `pending`, growing, until this one is flushed.
+    let mut appending: Option<(u64, oneshot::Receiver<()>)> = None;
+    let mut next_seq = 0u64;
     loop {
         let room = pending.len() < MAX_BATCH && pending_bytes < MAX_BATCH_BYTES;
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            Some(()) = inflight.next(), if !inflight.is_empty() => {}
+            Some(seq) = inflight.next(), if !inflight.is_empty() => {
+                // Applied (or failed): long past its append whatever the signal says.
+                if appending.as_ref().is_some_and(|(s, _)| *s == seq) {
+                    appending = None;
+                }
+            }
+            _ = async {
+                if let Some((_, flushed)) = appending.as_mut() {
+                    let _ = flushed.await;
+                }
+            }, if appending.is_some() => appending = None,
             msg = rx.recv(), if room => match msg {
                 Some(m) => {
                     pending_bytes += approx_bytes(&m.cmd);
@@ -327,17 +344,46 @@ async fn run_proposer(
                 Err(_) => break,
             }
         }
-        if !pending.is_empty() && inflight.len() < MAX_INFLIGHT {
+        let full = pending.len() >= MAX_BATCH || pending_bytes >= MAX_BATCH_BYTES;
+        if ready_to_propose(&pending, full, appending.is_some(), inflight.len()) {
             let batch = std::mem::take(&mut pending);
             pending_bytes = 0;
-            inflight.push(write(p.clone(), batch));
+            let (signal, flushed) = FlushSignal::new();
+            next_seq += 1;
+            appending = Some((next_seq, flushed));
+            inflight.push(write(p.clone(), batch, signal, next_seq));
         }
     }
     // Whatever is still waiting is answered by dropping its sender: UNAVAILABLE.
 }
 
+/// Whether the proposer hands Raft its pending commands now, as one entry:
+/// - not while Raft is still flushing this replica's previous entry (`appending`):
+///   Raft takes one append at a time, and whatever arrives meanwhile joins this entry;
+/// - not beyond [`MAX_INFLIGHT`] entries waiting to be applied;
+/// - not while an entry is in flight and every pending command only completes a job
+///   (unless the batch is full): completions then ride in the next entry that makes
+///   work runnable, or go once the pipeline is idle, instead of costing an entry,
+///   and an fdatasync on every replica, of their own. Nothing waits on them.
+fn ready_to_propose(pending: &[Proposal], full: bool, appending: bool, inflight: usize) -> bool {
+    let completions_only = pending.iter().all(|p| {
+        matches!(
+            p.cmd,
+            LogCommand::Client {
+                cmd: Command::Complete { .. },
+                ..
+            }
+        )
+    });
+    !pending.is_empty()
+        && !appending
+        && inflight < MAX_INFLIGHT
+        && (full || inflight == 0 || !completions_only)
+}
+
 /// Proposes one entry and answers each of its commands.
-async fn write(p: Arc<Partition>, batch: Vec<Proposal>) {
+/// Resolves to `seq` once the entry is applied or has failed.
+async fn write(p: Arc<Partition>, batch: Vec<Proposal>, on_flushed: FlushSignal, seq: u64) -> u64 {
     let mut ends_from = BTreeMap::new();
     let mut commands = Vec::with_capacity(batch.len());
     let mut replies = Vec::with_capacity(batch.len());
@@ -360,6 +406,7 @@ async fn write(p: Arc<Partition>, batch: Vec<Proposal>) {
         .client_write(Batch {
             ts: now_ms(),
             commands,
+            on_flushed,
         })
         .await;
     metrics::COMMIT_SECONDS.observe(started.elapsed().as_secs_f64());
@@ -406,6 +453,7 @@ async fn write(p: Arc<Partition>, batch: Vec<Proposal>) {
             }
         }
     }
+    seq
 }
 
 /// The push targets a command carries (credit held for it).
@@ -742,5 +790,53 @@ async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
             _ = &mut applied => {}
             r = metrics_rx.changed() => if r.is_err() { return },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn proposal(cmd: Command) -> Proposal {
+        Proposal {
+            cmd: LogCommand::client(cmd),
+            ends_from: None,
+            reply: oneshot::channel().0,
+        }
+    }
+
+    fn complete(n: u64) -> Proposal {
+        proposal(Command::Complete {
+            key: JobKey::new(PartitionId(1), n),
+            variables: None,
+        })
+    }
+
+    fn create() -> Proposal {
+        proposal(Command::Create(vec![crate::engine::tests::new_job("t")]))
+    }
+
+    #[test]
+    fn the_next_entry_waits_for_the_previous_flush_and_the_inflight_limit() {
+        let pending = vec![create()];
+        assert!(ready_to_propose(&pending, false, false, 0));
+        assert!(ready_to_propose(&pending, false, false, MAX_INFLIGHT - 1));
+        assert!(!ready_to_propose(&pending, false, true, 0));
+        assert!(!ready_to_propose(&pending, false, false, MAX_INFLIGHT));
+        assert!(!ready_to_propose(&[], false, false, 0));
+    }
+
+    #[test]
+    fn completions_alone_wait_for_the_entry_in_flight_or_for_work() {
+        let mut pending = vec![complete(1), complete(2)];
+        // Nothing in flight: they go at once.
+        assert!(ready_to_propose(&pending, false, false, 0));
+        // An entry in flight: they wait for it ...
+        assert!(!ready_to_propose(&pending, false, false, 1));
+        // ... unless the batch is full ...
+        assert!(ready_to_propose(&pending, true, false, 1));
+        // ... or a command that makes work runnable joins them.
+        pending.push(create());
+        assert!(ready_to_propose(&pending, false, false, 1));
     }
 }

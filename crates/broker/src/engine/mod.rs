@@ -12,9 +12,11 @@ use courier_proto::domain::{
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use tokio::sync::oneshot;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 /// One replicated log entry: every command a partition's proposer drained while
 /// the previous entry was in flight, stamped with the leader's clock.
@@ -23,7 +25,61 @@ pub struct Batch {
     /// Epoch ms, decided by the leader before proposing.
     pub ts: i64,
     pub commands: Vec<LogCommand>,
+    /// The proposer's word that this entry is on the leader's disk. In memory only:
+    /// never written, so followers and replays see none.
+    #[serde(skip)]
+    pub on_flushed: FlushSignal,
 }
+
+/// Fires once the entry carrying it is durable in the leader's own log (with
+/// durability `replicated`: written). Raft 0.9 takes one append at a time and waits
+/// for it to be flushed, so that moment, not the commit, is when the proposer hands
+/// it the next entry: whatever queued during the flush goes into that one entry.
+/// Dropping the signal unfired (the entry never reached the log) fires it too.
+#[derive(Clone, Default)]
+pub struct FlushSignal(Option<Arc<Mutex<Option<oneshot::Sender<()>>>>>);
+
+impl FlushSignal {
+    /// A signal and the receiver that learns when it fires (or is dropped).
+    pub fn new() -> (FlushSignal, oneshot::Receiver<()>) {
+        let (tx, rx) = oneshot::channel();
+        (FlushSignal(Some(Arc::new(Mutex::new(Some(tx))))), rx)
+    }
+
+    /// Whether anyone waits for this signal.
+    pub fn is_set(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// Tells the waiting proposer; later calls do nothing.
+    pub fn fire(&self) {
+        if let Some(slot) = &self.0 {
+            let tx = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(tx) = tx {
+                let _ = tx.send(());
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for FlushSignal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.is_set() {
+            "FlushSignal(set)"
+        } else {
+            "FlushSignal"
+        })
+    }
+}
+
+/// Not part of the entry's value: two batches with the same commands are equal.
+impl PartialEq for FlushSignal {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for FlushSignal {}
 
 /// A command as written to the log.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -6,7 +6,7 @@ use courier_proto::domain::DEFAULT_TENANT;
 const P: PartitionId = PartitionId(1);
 const T0: i64 = 1_000_000;
 
-fn new_job(t: &str) -> NewJob {
+pub(crate) fn new_job(t: &str) -> NewJob {
     NewJob {
         job_type: t.to_string(),
         variables: r#"{"a":1,"b":2}"#.to_string(),
@@ -53,6 +53,7 @@ fn run_log(
         &Batch {
             ts,
             commands: vec![c],
+            on_flushed: Default::default(),
         },
         &mut changes,
     );
@@ -557,6 +558,7 @@ fn a_batch_answers_each_command_in_order_and_rejections_change_nothing() {
                     max_jobs: 5,
                 }),
             ],
+            on_flushed: Default::default(),
         },
         &mut changes,
     );
@@ -905,4 +907,45 @@ fn backfill_pushes_the_oldest_backlog_up_to_its_bound() {
     );
     assert_eq!(pushes(&effects), vec![(c, 3)]);
     assert!(!s.has_activatable("a", &[DEFAULT_TENANT.to_string()]));
+}
+
+/// The proposer's flush signal rides in memory only: an entry with one is written
+/// exactly as one without, and reads back without it.
+#[test]
+fn a_flush_signal_is_not_part_of_the_entry() {
+    let (signal, _flushed) = FlushSignal::new();
+    let commands = vec![LogCommand::client(Command::Create(vec![new_job("a")]))];
+    let with = Batch {
+        ts: T0,
+        commands: commands.clone(),
+        on_flushed: signal,
+    };
+    let without = Batch {
+        ts: T0,
+        commands,
+        on_flushed: FlushSignal::default(),
+    };
+    let bytes = courier_proto::codec::to_vec(&with).unwrap();
+    assert_eq!(bytes, courier_proto::codec::to_vec(&without).unwrap());
+    let read: Batch = courier_proto::codec::decode(&bytes).unwrap();
+    assert!(!read.on_flushed.is_set());
+    assert_eq!(read, with);
+}
+
+/// Firing reaches the proposer once; dropping an unfired signal (the entry never
+/// reached the log) reaches it too, so it never waits forever.
+#[test]
+fn a_flush_signal_fires_once_or_on_drop() {
+    let (signal, mut flushed) = FlushSignal::new();
+    let copy = signal.clone();
+    signal.fire();
+    copy.fire();
+    assert_eq!(flushed.try_recv(), Ok(()));
+
+    let (signal, mut flushed) = FlushSignal::new();
+    drop(signal);
+    assert!(matches!(
+        flushed.try_recv(),
+        Err(tokio::sync::oneshot::error::TryRecvError::Closed)
+    ));
 }

@@ -2,11 +2,12 @@
 //! and the last purged id in the partition's meta keyspace.
 
 use super::{read_err, write_err, Db};
+use crate::engine::FlushSignal;
 use crate::raft::TypeConfig;
 use courier_proto::codec;
 use fjall::Keyspace;
 use openraft::storage::{LogFlushed, LogState, RaftLogReader, RaftLogStorage};
-use openraft::{Entry, LogId, OptionalSend, RaftLogId, StorageError, Vote};
+use openraft::{Entry, EntryPayload, LogId, OptionalSend, RaftLogId, StorageError, Vote};
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -101,16 +102,24 @@ fn byte_range(range: impl RangeBounds<u64>) -> (Bound<[u8; 8]>, Bound<[u8; 8]>) 
 impl LogStore {
     /// Encodes `entries` and writes them in one batch, without waiting for them to be
     /// durable (see [`Db::sync`]): the part of an append that is this store's own.
+    /// Returns the flush signals the entries carry (the leader's own proposals).
     pub fn write(
         &self,
         entries: impl IntoIterator<Item = Entry<TypeConfig>>,
-    ) -> Result<(), StorageError<NodeId>> {
+    ) -> Result<Vec<FlushSignal>, StorageError<NodeId>> {
         let mut batch = self.db.database().batch();
+        let mut signals = Vec::new();
         for entry in entries {
             let bytes = codec::to_vec(&entry).map_err(write_err)?;
             batch.insert(&self.log, entry.get_log_id().index.to_be_bytes(), bytes);
+            if let EntryPayload::Normal(b) = entry.payload {
+                if b.on_flushed.is_set() {
+                    signals.push(b.on_flushed);
+                }
+            }
         }
-        batch.commit().map_err(write_err)
+        batch.commit().map_err(write_err)?;
+        Ok(signals)
     }
 }
 
@@ -182,8 +191,13 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        self.write(entries)?;
-        self.db.flushed(callback);
+        let signals = self.write(entries)?;
+        self.db.after_flush(move |result| {
+            callback.log_io_completed(result);
+            // A failed flush fires them too: the proposer must not wait on an
+            // append Raft has given up on.
+            signals.iter().for_each(FlushSignal::fire);
+        });
         Ok(())
     }
 
@@ -237,8 +251,9 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::Batch;
     use crate::store::Durability;
-    use openraft::{CommittedLeaderId, EntryPayload};
+    use openraft::CommittedLeaderId;
     use std::time::Duration;
 
     fn id(index: u64) -> LogId<NodeId> {
@@ -303,5 +318,35 @@ mod tests {
         log.put_meta(LAST_PURGED, &id(6)).unwrap();
         let mut reopened = LogStore::open(&db, 1).unwrap();
         assert_eq!(stored(&mut reopened).await, vec![7, 8, 9, 10]);
+    }
+
+    /// A write hands back the flush signals its entries carry, unfired, so the append
+    /// can fire them after the flush; the stored entries carry none.
+    #[tokio::test]
+    async fn a_write_hands_back_the_flush_signals_and_stores_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path(), Durability::Replicated).unwrap();
+        let mut log = LogStore::open(&db, 1).unwrap();
+        let (signal, mut flushed) = FlushSignal::new();
+        let mut written = entries(1..=3);
+        written[1].payload = EntryPayload::Normal(Batch {
+            ts: 7,
+            commands: Vec::new(),
+            on_flushed: signal,
+        });
+        let signals = log.write(written).unwrap();
+        assert_eq!(signals.len(), 1);
+        assert!(flushed.try_recv().is_err(), "fired before the flush");
+        signals[0].fire();
+        assert_eq!(flushed.try_recv(), Ok(()));
+
+        let read = log.try_get_log_entries(2..3).await.unwrap();
+        match &read[0].payload {
+            EntryPayload::Normal(b) => {
+                assert_eq!(b.ts, 7);
+                assert!(!b.on_flushed.is_set());
+            }
+            other => panic!("entry 2 is {other:?}"),
+        }
     }
 }

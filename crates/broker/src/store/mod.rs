@@ -11,9 +11,7 @@
 pub mod log;
 pub mod sm;
 
-use crate::raft::TypeConfig;
 use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
-use openraft::storage::LogFlushed;
 use openraft::{StorageError, StorageIOError};
 use serde::{Deserialize, Serialize};
 use std::fs::File;
@@ -56,7 +54,7 @@ pub struct Db {
     db: Database,
     durability: Durability,
     /// Appends waiting for a flush; the syncer thread ends when every sender is dropped.
-    sync_tx: mpsc::Sender<LogFlushed<TypeConfig>>,
+    sync_tx: mpsc::Sender<Flush>,
 }
 
 impl Db {
@@ -91,15 +89,15 @@ impl Db {
         &self.db
     }
 
-    /// Completes `callback` once the appends written before it are durable per the
-    /// durability setting.
-    pub(crate) fn flushed(&self, callback: LogFlushed<TypeConfig>) {
+    /// Runs `then` once the appends written before this call are durable per the
+    /// durability setting (with the flush's outcome).
+    pub(crate) fn after_flush(&self, then: impl FnOnce(std::io::Result<()>) + Send + 'static) {
         match self.durability {
             // Written to the OS already (fjall flushes each batch to the OS).
-            Durability::Replicated => callback.log_io_completed(Ok(())),
+            Durability::Replicated => then(Ok(())),
             Durability::Fsync => {
-                if let Err(mpsc::SendError(cb)) = self.sync_tx.send(callback) {
-                    cb.log_io_completed(Err(std::io::Error::other("syncer stopped")));
+                if let Err(mpsc::SendError(then)) = self.sync_tx.send(Box::new(then)) {
+                    then(Err(std::io::Error::other("syncer stopped")));
                 }
             }
         }
@@ -164,6 +162,9 @@ fn journal_path(dir: &Path, id: u64) -> PathBuf {
     dir.join(format!("{id}.jnl"))
 }
 
+/// What waits for the syncer's next flush: an append's callbacks.
+type Flush = Box<dyn FnOnce(std::io::Result<()>) + Send>;
+
 /// The syncer thread's state.
 struct Syncer {
     db: Database,
@@ -186,7 +187,7 @@ impl Syncer {
 
     /// One fdatasync covers every append queued since the previous one: group
     /// commit across the partitions of a broker.
-    fn run(mut self, durability: Durability, rx: mpsc::Receiver<LogFlushed<TypeConfig>>) {
+    fn run(mut self, durability: Durability, rx: mpsc::Receiver<Flush>) {
         if self.journal.is_none() {
             tracing::warn!("no fjall journal file found; flushing through fjall's persist");
         }
@@ -212,8 +213,8 @@ impl Syncer {
             if let Err(e) = &result {
                 tracing::error!(error = %e, "flushing the log failed");
             }
-            for cb in waiting.drain(..) {
-                cb.log_io_completed(result.clone().map_err(std::io::Error::other));
+            for then in waiting.drain(..) {
+                then(result.clone().map_err(std::io::Error::other));
             }
         }
     }
@@ -232,6 +233,25 @@ pub(crate) fn write_err(e: impl std::error::Error + 'static) -> StorageError<u64
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What waits for a flush runs after the syncer's next fdatasync, in order, with
+    /// its outcome.
+    #[test]
+    fn work_waiting_for_a_flush_runs_after_it_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path(), Durability::Fsync).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let before = crate::metrics::FSYNC_SECONDS.get_sample_count();
+        for i in 0..3 {
+            let tx = tx.clone();
+            db.after_flush(move |result| tx.send((i, result.is_ok())).unwrap());
+        }
+        let done: Vec<_> = (0..3)
+            .map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap())
+            .collect();
+        assert_eq!(done, vec![(0, true), (1, true), (2, true)]);
+        assert!(crate::metrics::FSYNC_SECONDS.get_sample_count() > before);
+    }
 
     fn max_journal_id(dir: &Path) -> u64 {
         std::fs::read_dir(dir)

@@ -527,6 +527,7 @@ mod tests {
             payload: EntryPayload::Normal(Batch {
                 ts: 1,
                 commands: vec![LogCommand::client(Command::Create(vec![job; jobs]))],
+                on_flushed: Default::default(),
             }),
         }
     }
