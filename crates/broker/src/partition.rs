@@ -35,6 +35,12 @@ const MAX_BATCH_BYTES: usize = 1024 * 1024;
 const QUEUE_CAPACITY: usize = 20_000;
 /// Entries a partition may have in flight at once.
 const MAX_INFLIGHT: usize = 2;
+/// How long completions alone wait for a command that makes work runnable (a
+/// create, a poll, a failure with retries): they ride in its entry instead of
+/// costing an entry, and an fdatasync on every replica, of their own. Under load
+/// that halves the log writes, and a create no longer queues behind a completion's
+/// flush; nothing but the completion's own answer waits on it.
+const COMPLETION_HOLD: Duration = Duration::from_millis(3);
 /// Most timed-out or recurring jobs handled in one command.
 const MAX_TIMER_KEYS: usize = 1000;
 /// Most jobs pushed per back-fill round (one log entry); a round is also bounded by
@@ -312,10 +318,19 @@ async fn run_proposer(
     // the next waits in `pending`, growing, until this one is flushed.
     let mut appending: Option<(u64, oneshot::Receiver<()>)> = None;
     let mut next_seq = 0u64;
+    // When the oldest pending command arrived.
+    let mut since = tokio::time::Instant::now();
     loop {
         let room = pending.len() < MAX_BATCH && pending_bytes < MAX_BATCH_BYTES;
+        // Armed only while ahead: past it, only the flush or the in-flight limit
+        // holds the completions, and those have branches of their own.
+        let held = (!pending.is_empty() && completions_only(&pending))
+            .then_some(since + COMPLETION_HOLD)
+            .filter(|&until| until > tokio::time::Instant::now());
         tokio::select! {
             _ = shutdown.cancelled() => break,
+            // Completions held long enough: the check below lets them go.
+            _ = tokio::time::sleep_until(held.unwrap_or(since)), if held.is_some() => {}
             Some(seq) = inflight.next(), if !inflight.is_empty() => {
                 // Applied (or failed): long past its append whatever the signal says.
                 if appending.as_ref().is_some_and(|(s, _)| *s == seq) {
@@ -329,6 +344,9 @@ async fn run_proposer(
             }, if appending.is_some() => appending = None,
             msg = rx.recv(), if room => match msg {
                 Some(m) => {
+                    if pending.is_empty() {
+                        since = tokio::time::Instant::now();
+                    }
                     pending_bytes += approx_bytes(&m.cmd);
                     pending.push(m);
                 }
@@ -338,6 +356,9 @@ async fn run_proposer(
         while pending.len() < MAX_BATCH && pending_bytes < MAX_BATCH_BYTES {
             match rx.try_recv() {
                 Ok(m) => {
+                    if pending.is_empty() {
+                        since = tokio::time::Instant::now();
+                    }
                     pending_bytes += approx_bytes(&m.cmd);
                     pending.push(m);
                 }
@@ -345,7 +366,13 @@ async fn run_proposer(
             }
         }
         let full = pending.len() >= MAX_BATCH || pending_bytes >= MAX_BATCH_BYTES;
-        if ready_to_propose(&pending, full, appending.is_some(), inflight.len()) {
+        if ready_to_propose(
+            &pending,
+            full,
+            appending.is_some(),
+            inflight.len(),
+            since.elapsed(),
+        ) {
             let batch = std::mem::take(&mut pending);
             pending_bytes = 0;
             let (signal, flushed) = FlushSignal::new();
@@ -361,12 +388,24 @@ async fn run_proposer(
 /// - not while Raft is still flushing this replica's previous entry (`appending`):
 ///   Raft takes one append at a time, and whatever arrives meanwhile joins this entry;
 /// - not beyond [`MAX_INFLIGHT`] entries waiting to be applied;
-/// - not while an entry is in flight and every pending command only completes a job
-///   (unless the batch is full): completions then ride in the next entry that makes
-///   work runnable, or go once the pipeline is idle, instead of costing an entry,
-///   and an fdatasync on every replica, of their own. Nothing waits on them.
-fn ready_to_propose(pending: &[Proposal], full: bool, appending: bool, inflight: usize) -> bool {
-    let completions_only = pending.iter().all(|p| {
+/// - when every pending command only completes a job, not before the oldest has
+///   waited [`COMPLETION_HOLD`] (`waited`) or the batch is `full`.
+fn ready_to_propose(
+    pending: &[Proposal],
+    full: bool,
+    appending: bool,
+    inflight: usize,
+    waited: Duration,
+) -> bool {
+    !pending.is_empty()
+        && !appending
+        && inflight < MAX_INFLIGHT
+        && (full || waited >= COMPLETION_HOLD || !completions_only(pending))
+}
+
+/// Whether every command only completes a job: nothing becomes runnable.
+fn completions_only(pending: &[Proposal]) -> bool {
+    pending.iter().all(|p| {
         matches!(
             p.cmd,
             LogCommand::Client {
@@ -374,11 +413,7 @@ fn ready_to_propose(pending: &[Proposal], full: bool, appending: bool, inflight:
                 ..
             }
         )
-    });
-    !pending.is_empty()
-        && !appending
-        && inflight < MAX_INFLIGHT
-        && (full || inflight == 0 || !completions_only)
+    })
 }
 
 /// Proposes one entry and answers each of its commands.
@@ -819,24 +854,34 @@ mod tests {
     #[test]
     fn the_next_entry_waits_for_the_previous_flush_and_the_inflight_limit() {
         let pending = vec![create()];
-        assert!(ready_to_propose(&pending, false, false, 0));
-        assert!(ready_to_propose(&pending, false, false, MAX_INFLIGHT - 1));
-        assert!(!ready_to_propose(&pending, false, true, 0));
-        assert!(!ready_to_propose(&pending, false, false, MAX_INFLIGHT));
-        assert!(!ready_to_propose(&[], false, false, 0));
+        let now = Duration::ZERO;
+        assert!(ready_to_propose(&pending, false, false, 0, now));
+        assert!(ready_to_propose(
+            &pending,
+            false,
+            false,
+            MAX_INFLIGHT - 1,
+            now
+        ));
+        assert!(!ready_to_propose(&pending, false, true, 0, now));
+        assert!(!ready_to_propose(&pending, false, false, MAX_INFLIGHT, now));
+        assert!(!ready_to_propose(&[], false, false, 0, COMPLETION_HOLD));
     }
 
     #[test]
-    fn completions_alone_wait_for_the_entry_in_flight_or_for_work() {
+    fn completions_alone_wait_for_work_to_ride_with() {
         let mut pending = vec![complete(1), complete(2)];
-        // Nothing in flight: they go at once.
-        assert!(ready_to_propose(&pending, false, false, 0));
-        // An entry in flight: they wait for it ...
-        assert!(!ready_to_propose(&pending, false, false, 1));
-        // ... unless the batch is full ...
-        assert!(ready_to_propose(&pending, true, false, 1));
+        let short = COMPLETION_HOLD / 2;
+        // Even with nothing in flight, they wait ...
+        assert!(!ready_to_propose(&pending, false, false, 0, short));
+        // ... until the hold is over ...
+        assert!(ready_to_propose(&pending, false, false, 0, COMPLETION_HOLD));
+        // ... and then not past the flush and in-flight limits ...
+        assert!(!ready_to_propose(&pending, false, true, 0, COMPLETION_HOLD));
+        // ... or until the batch is full ...
+        assert!(ready_to_propose(&pending, true, false, 1, short));
         // ... or a command that makes work runnable joins them.
         pending.push(create());
-        assert!(ready_to_propose(&pending, false, false, 1));
+        assert!(ready_to_propose(&pending, false, false, 1, short));
     }
 }
