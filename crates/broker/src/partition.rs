@@ -343,25 +343,13 @@ async fn run_proposer(
                 }
             }, if appending.is_some() => appending = None,
             msg = rx.recv(), if room => match msg {
-                Some(m) => {
-                    if pending.is_empty() {
-                        since = tokio::time::Instant::now();
-                    }
-                    pending_bytes += approx_bytes(&m.cmd);
-                    pending.push(m);
-                }
+                Some(m) => take(m, &mut pending, &mut pending_bytes, &mut since),
                 None => break,
             },
         }
         while pending.len() < MAX_BATCH && pending_bytes < MAX_BATCH_BYTES {
             match rx.try_recv() {
-                Ok(m) => {
-                    if pending.is_empty() {
-                        since = tokio::time::Instant::now();
-                    }
-                    pending_bytes += approx_bytes(&m.cmd);
-                    pending.push(m);
-                }
+                Ok(m) => take(m, &mut pending, &mut pending_bytes, &mut since),
                 Err(_) => break,
             }
         }
@@ -382,6 +370,20 @@ async fn run_proposer(
         }
     }
     // Whatever is still waiting is answered by dropping its sender: UNAVAILABLE.
+}
+
+/// Adds a command to the pending entry; the first one starts the hold's clock.
+fn take(
+    m: Proposal,
+    pending: &mut Vec<Proposal>,
+    pending_bytes: &mut usize,
+    since: &mut tokio::time::Instant,
+) {
+    if pending.is_empty() {
+        *since = tokio::time::Instant::now();
+    }
+    *pending_bytes += approx_bytes(&m.cmd);
+    pending.push(m);
 }
 
 /// Whether the proposer hands Raft its pending commands now, as one entry:

@@ -18,8 +18,8 @@ use tokio::sync::oneshot;
 #[cfg(test)]
 pub(crate) mod tests;
 
-/// One replicated log entry: every command a partition's proposer drained while
-/// the previous entry was in flight, stamped with the leader's clock.
+/// One replicated log entry: every command a partition's proposer gathered while
+/// Raft flushed its previous entry, stamped with the leader's clock.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Batch {
     /// Epoch ms, decided by the leader before proposing.
