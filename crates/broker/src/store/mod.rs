@@ -1,9 +1,9 @@
 //! Storage of a broker on fjall: one database per broker, keyspaces per partition
 //! (`p{N}.log`, `p{N}.meta`, `p{N}.jobs`).
 //!
-//! - [`Db`] opens the database and owns the syncer thread, which turns the
+//! - [`Db`] opens the database and owns the syncer, whose threads turn the
 //!   durability setting into one `fdatasync` per group of appends (across all
-//!   partitions of the broker).
+//!   partitions of the broker), two of them at most at once.
 //! - [`log::LogStore`] is the openraft log (`RaftLogStorage`).
 //! - [`sm::StateMachine`] is the openraft state machine: the engine's state,
 //!   persisted atomically with last-applied, and its snapshots.
@@ -14,9 +14,10 @@ pub mod sm;
 use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
 use openraft::{StorageError, StorageIOError};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 /// When an appended log entry counts as stored.
@@ -53,27 +54,44 @@ pub const REPLICATED_FLUSH_INTERVAL: Duration = Duration::from_millis(50);
 pub struct Db {
     db: Database,
     durability: Durability,
-    /// Appends waiting for a flush; the syncer thread ends when every sender is dropped.
-    sync_tx: mpsc::Sender<Flush>,
+    /// Appends waiting for a flush; the syncer's threads end when the last clone of
+    /// this handle is dropped.
+    syncer: Arc<SyncerHandle>,
 }
 
 impl Db {
-    /// Opens (or creates) the database in `dir` and starts its syncer thread.
+    /// Opens (or creates) the database in `dir` and starts its syncer threads.
     pub fn open(dir: &Path, durability: Durability) -> Result<Db, fjall::Error> {
         let db = Database::builder(dir).open()?;
-        let (sync_tx, sync_rx) = mpsc::channel();
-        let syncer = Syncer {
-            db: db.clone(),
-            journal: ActiveJournal::find(dir),
+        let queue = Arc::new(SyncQueue::default());
+        let flushers = match durability {
+            Durability::Fsync => FLUSHERS,
+            Durability::Replicated => 1,
         };
-        std::thread::Builder::new()
-            .name("courier-syncer".into())
-            .spawn(move || syncer.run(durability, sync_rx))
-            .map_err(fjall::Error::from)?;
+        if ActiveJournal::find(dir).is_none() {
+            tracing::warn!("no fjall journal file found; flushing through fjall's persist");
+        }
+        for i in 0..flushers {
+            let flusher = Flusher {
+                db: db.clone(),
+                journal: ActiveJournal::find(dir),
+                queue: queue.clone(),
+            };
+            let spawned = std::thread::Builder::new()
+                .name(format!("courier-syncer-{i}"))
+                .spawn(move || match durability {
+                    Durability::Fsync => flusher.run(),
+                    Durability::Replicated => flusher.run_periodic(),
+                });
+            if let Err(e) = spawned {
+                queue.close();
+                return Err(fjall::Error::from(e));
+            }
+        }
         Ok(Db {
             db,
             durability,
-            sync_tx,
+            syncer: Arc::new(SyncerHandle(queue)),
         })
     }
 
@@ -95,11 +113,7 @@ impl Db {
         match self.durability {
             // Written to the OS already (fjall flushes each batch to the OS).
             Durability::Replicated => then(Ok(())),
-            Durability::Fsync => {
-                if let Err(mpsc::SendError(then)) = self.sync_tx.send(Box::new(then)) {
-                    then(Err(std::io::Error::other("syncer stopped")));
-                }
-            }
+            Durability::Fsync => self.syncer.0.push(Box::new(then)),
         }
     }
 
@@ -165,57 +179,152 @@ fn journal_path(dir: &Path, id: u64) -> PathBuf {
 /// What waits for the syncer's next flush: an append's callbacks.
 type Flush = Box<dyn FnOnce(std::io::Result<()>) + Send>;
 
-/// The syncer thread's state.
-struct Syncer {
-    db: Database,
-    journal: Option<ActiveJournal>,
+/// fdatasyncs a broker may have running at once. An append that arrives while a
+/// flush runs starts the next at once instead of waiting for it to end: the kernel
+/// serves overlapping fdatasyncs of one file side by side, and each covers every
+/// write made before it started.
+const FLUSHERS: usize = 2;
+
+/// The appends waiting for a flush, shared by the flusher threads.
+#[derive(Default)]
+struct SyncQueue {
+    state: Mutex<SyncState>,
+    wake: Condvar,
+    /// Held while a flusher answers appends. Taken before the state's lock is
+    /// let go, so the flusher that took the earlier groups answers first: Raft
+    /// hears of its appends in the order it made them.
+    answering: Mutex<()>,
 }
 
-impl Syncer {
+#[derive(Default)]
+struct SyncState {
+    /// Written, not yet covered by a started fdatasync.
+    waiting: Vec<Flush>,
+    /// Groups covered by a running fdatasync, by the order it started in.
+    running: BTreeMap<u64, Vec<Flush>>,
+    next_group: u64,
+    closed: bool,
+}
+
+impl SyncQueue {
+    fn lock(&self) -> MutexGuard<'_, SyncState> {
+        // The state stays consistent across a panic in a callback: callbacks run
+        // outside the lock.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn push(&self, then: Flush) {
+        let mut st = self.lock();
+        if st.closed {
+            drop(st);
+            then(Err(std::io::Error::other("syncer stopped")));
+            return;
+        }
+        st.waiting.push(then);
+        drop(st);
+        self.wake.notify_one();
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.wake.notify_all();
+    }
+}
+
+/// Stops the flusher threads when the last [`Db`] handle goes, once they have
+/// flushed what is waiting.
+struct SyncerHandle(Arc<SyncQueue>);
+
+impl Drop for SyncerHandle {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
+/// One flusher thread: its own handle on the journal, so flushes can overlap.
+struct Flusher {
+    db: Database,
+    journal: Option<ActiveJournal>,
+    queue: Arc<SyncQueue>,
+}
+
+impl Flusher {
     /// Flushes the journal to disk. Every append is written to the OS before its
     /// callback reaches the syncer (fjall's write batches flush their buffer), so
     /// only the fdatasync is left.
     fn sync(&mut self) -> Result<(), String> {
-        match &mut self.journal {
+        let started = std::time::Instant::now();
+        let result = match &mut self.journal {
             Some(journal) => journal.sync().map_err(|e| e.to_string()),
             None => self
                 .db
                 .persist(PersistMode::SyncData)
                 .map_err(|e| e.to_string()),
+        };
+        crate::metrics::FSYNC_SECONDS.observe(started.elapsed().as_secs_f64());
+        if let Err(e) = &result {
+            tracing::error!(error = %e, "flushing the log failed");
+        }
+        result
+    }
+
+    /// Group commit across the partitions of a broker: one fdatasync covers every
+    /// append waiting when it starts. When it ends, the appends of every group that
+    /// started before it are durable too (their writes preceded it), so they are
+    /// answered then, in order, even while their own fdatasync still runs.
+    fn run(mut self) {
+        loop {
+            let mut st = self.queue.lock();
+            while st.waiting.is_empty() && !st.closed {
+                st = self
+                    .queue
+                    .wake
+                    .wait(st)
+                    .unwrap_or_else(PoisonError::into_inner);
+            }
+            if st.waiting.is_empty() {
+                return;
+            }
+            let group = st.next_group;
+            st.next_group += 1;
+            let appends = std::mem::take(&mut st.waiting);
+            crate::metrics::FSYNC_APPENDS.observe(appends.len() as f64);
+            st.running.insert(group, appends);
+            drop(st);
+
+            let result = self.sync();
+
+            let mut st = self.queue.lock();
+            let later = st.running.split_off(&(group + 1));
+            let done = std::mem::replace(&mut st.running, later);
+            let answering = self
+                .queue
+                .answering
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            drop(st);
+            for then in done.into_values().flatten() {
+                then(result.clone().map_err(std::io::Error::other));
+            }
+            drop(answering);
         }
     }
 
-    /// One fdatasync covers every append queued since the previous one: group
-    /// commit across the partitions of a broker.
-    fn run(mut self, durability: Durability, rx: mpsc::Receiver<Flush>) {
-        if self.journal.is_none() {
-            tracing::warn!("no fjall journal file found; flushing through fjall's persist");
-        }
-        let mut waiting = Vec::new();
+    /// The `replicated` setting: appends count once written; the log is flushed
+    /// every [`REPLICATED_FLUSH_INTERVAL`] all the same.
+    fn run_periodic(mut self) {
         loop {
-            let first = match durability {
-                Durability::Fsync => match rx.recv() {
-                    Ok(cb) => Some(cb),
-                    Err(_) => return,
-                },
-                Durability::Replicated => match rx.recv_timeout(REPLICATED_FLUSH_INTERVAL) {
-                    Ok(cb) => Some(cb),
-                    Err(mpsc::RecvTimeoutError::Timeout) => None,
-                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
-                },
-            };
-            waiting.extend(first);
-            waiting.extend(rx.try_iter());
-            let started = std::time::Instant::now();
-            let result = self.sync();
-            crate::metrics::FSYNC_SECONDS.observe(started.elapsed().as_secs_f64());
-            crate::metrics::FSYNC_APPENDS.observe(waiting.len() as f64);
-            if let Err(e) = &result {
-                tracing::error!(error = %e, "flushing the log failed");
+            let st = self.queue.lock();
+            let (st, _) = self
+                .queue
+                .wake
+                .wait_timeout_while(st, REPLICATED_FLUSH_INTERVAL, |st| !st.closed)
+                .unwrap_or_else(PoisonError::into_inner);
+            if st.closed {
+                return;
             }
-            for then in waiting.drain(..) {
-                then(result.clone().map_err(std::io::Error::other));
-            }
+            drop(st);
+            let _ = self.sync();
         }
     }
 }
@@ -233,6 +342,7 @@ pub(crate) fn write_err(e: impl std::error::Error + 'static) -> StorageError<u64
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::mpsc;
 
     /// What waits for a flush runs after the syncer's next fdatasync, in order, with
     /// its outcome.
@@ -251,6 +361,45 @@ mod tests {
             .collect();
         assert_eq!(done, vec![(0, true), (1, true), (2, true)]);
         assert!(crate::metrics::FSYNC_SECONDS.get_sample_count() > before);
+    }
+
+    /// Appends made one after another, so that their flushes overlap on both
+    /// flushers, are still answered in the order they were made, each after an
+    /// fdatasync that began after it was written.
+    #[test]
+    fn overlapping_flushes_answer_appends_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path(), Durability::Fsync).unwrap();
+        let ks = db.keyspace("data").unwrap();
+        let (tx, rx) = mpsc::channel();
+        for i in 0u32..300 {
+            ks.insert(i.to_be_bytes(), b"v").unwrap();
+            let tx = tx.clone();
+            db.after_flush(move |result| tx.send((i, result.is_ok())).unwrap());
+            if i % 3 == 0 {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+        let done: Vec<_> = (0..300)
+            .map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap())
+            .collect();
+        assert_eq!(done, (0..300).map(|i| (i, true)).collect::<Vec<_>>());
+    }
+
+    /// Appends still waiting when the last handle goes are flushed and answered.
+    #[test]
+    fn dropping_the_database_answers_what_waits() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path(), Durability::Fsync).unwrap();
+        let (tx, rx) = mpsc::channel();
+        for i in 0..50 {
+            let tx = tx.clone();
+            db.after_flush(move |result| tx.send((i, result.is_ok())).unwrap());
+        }
+        drop(db);
+        drop(tx);
+        let done: Vec<_> = rx.iter().collect();
+        assert_eq!(done, (0..50).map(|i| (i, true)).collect::<Vec<_>>());
     }
 
     fn max_journal_id(dir: &Path) -> u64 {
