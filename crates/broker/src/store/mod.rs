@@ -190,9 +190,10 @@ const FLUSHERS: usize = 2;
 struct SyncQueue {
     state: Mutex<SyncState>,
     wake: Condvar,
-    /// Held while a flusher answers appends. Taken before the state's lock is
-    /// let go, so the flusher that took the earlier groups answers first: Raft
-    /// hears of its appends in the order it made them.
+    /// Held by a flusher from taking the groups its flush made durable until it
+    /// has answered them, so groups are answered in the order they started and
+    /// Raft hears of its appends in the order it made them. Taken before the
+    /// state's lock, never while holding it: an answer may queue the next append.
     answering: Mutex<()>,
 }
 
@@ -294,15 +295,16 @@ impl Flusher {
 
             let result = self.sync();
 
-            let mut st = self.queue.lock();
-            let later = st.running.split_off(&(group + 1));
-            let done = std::mem::replace(&mut st.running, later);
             let answering = self
                 .queue
                 .answering
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            drop(st);
+            let done = {
+                let mut st = self.queue.lock();
+                let later = st.running.split_off(&(group + 1));
+                std::mem::replace(&mut st.running, later)
+            };
             for then in done.into_values().flatten() {
                 then(result.clone().map_err(std::io::Error::other));
             }
@@ -384,6 +386,36 @@ mod tests {
             .map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap())
             .collect();
         assert_eq!(done, (0..300).map(|i| (i, true)).collect::<Vec<_>>());
+    }
+
+    /// Queues the next flush from inside an answer, the way a chain of appends does.
+    fn chain(db: Db, chain: u32, step: u32, tx: mpsc::Sender<(u32, u32, bool)>) {
+        let next = db.clone();
+        db.after_flush(move |result| {
+            tx.send((chain, step, result.is_ok())).unwrap();
+            if step < 100 {
+                self::tests::chain(next, chain, step + 1, tx);
+            }
+        });
+    }
+
+    /// An answer may queue the next append while the other flusher is done too:
+    /// neither waits on the other, and every chain runs to its end in order.
+    #[test]
+    fn answers_may_queue_appends_while_both_flushers_finish() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path(), Durability::Fsync).unwrap();
+        let (tx, rx) = mpsc::channel();
+        for c in 0..4 {
+            chain(db.clone(), c, 0, tx.clone());
+        }
+        let mut last = [None; 4];
+        for _ in 0..4 * 101 {
+            let (c, step, ok) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+            assert!(ok);
+            assert_eq!(last[c as usize].map_or(0, |s: u32| s + 1), step);
+            last[c as usize] = Some(step);
+        }
     }
 
     /// Appends still waiting when the last handle goes are flushed and answered.
