@@ -311,26 +311,22 @@ async fn run_proposer(
     shutdown: CancellationToken,
 ) {
     let mut inflight = FuturesUnordered::new();
-    let mut pending: Vec<Proposal> = Vec::new();
-    let mut pending_bytes = 0usize;
+    let mut pending = Pending::default();
     // The entry Raft has not yet made durable in this replica's log: (its number,
     // the receiver its flush signal fires). Raft appends one entry at a time, so
     // the next waits in `pending`, growing, until this one is flushed.
     let mut appending: Option<(u64, oneshot::Receiver<()>)> = None;
     let mut next_seq = 0u64;
-    // When the oldest pending command arrived.
-    let mut since = tokio::time::Instant::now();
     loop {
-        let room = pending.len() < MAX_BATCH && pending_bytes < MAX_BATCH_BYTES;
         // Armed only while ahead: past it, only the flush or the in-flight limit
         // holds the completions, and those have branches of their own.
-        let held = (!pending.is_empty() && completions_only(&pending))
-            .then_some(since + COMPLETION_HOLD)
+        let held = (!pending.proposals.is_empty() && completions_only(&pending.proposals))
+            .then_some(pending.since + COMPLETION_HOLD)
             .filter(|&until| until > tokio::time::Instant::now());
         tokio::select! {
             _ = shutdown.cancelled() => break,
             // Completions held long enough: the check below lets them go.
-            _ = tokio::time::sleep_until(held.unwrap_or(since)), if held.is_some() => {}
+            _ = tokio::time::sleep_until(held.unwrap_or(pending.since)), if held.is_some() => {}
             Some(seq) = inflight.next(), if !inflight.is_empty() => {
                 // Applied (or failed): long past its append whatever the signal says.
                 if appending.as_ref().is_some_and(|(s, _)| *s == seq) {
@@ -342,27 +338,25 @@ async fn run_proposer(
                     let _ = flushed.await;
                 }
             }, if appending.is_some() => appending = None,
-            msg = rx.recv(), if room => match msg {
-                Some(m) => take(m, &mut pending, &mut pending_bytes, &mut since),
+            msg = rx.recv(), if !pending.full() => match msg {
+                Some(m) => pending.add(m),
                 None => break,
             },
         }
-        while pending.len() < MAX_BATCH && pending_bytes < MAX_BATCH_BYTES {
+        while !pending.full() {
             match rx.try_recv() {
-                Ok(m) => take(m, &mut pending, &mut pending_bytes, &mut since),
+                Ok(m) => pending.add(m),
                 Err(_) => break,
             }
         }
-        let full = pending.len() >= MAX_BATCH || pending_bytes >= MAX_BATCH_BYTES;
         if ready_to_propose(
-            &pending,
-            full,
+            &pending.proposals,
+            pending.full(),
             appending.is_some(),
             inflight.len(),
-            since.elapsed(),
+            pending.since.elapsed(),
         ) {
-            let batch = std::mem::take(&mut pending);
-            pending_bytes = 0;
+            let batch = pending.take();
             let (signal, flushed) = FlushSignal::new();
             next_seq += 1;
             appending = Some((next_seq, flushed));
@@ -372,18 +366,45 @@ async fn run_proposer(
     // Whatever is still waiting is answered by dropping its sender: UNAVAILABLE.
 }
 
-/// Adds a command to the pending entry; the first one starts the hold's clock.
-fn take(
-    m: Proposal,
-    pending: &mut Vec<Proposal>,
-    pending_bytes: &mut usize,
-    since: &mut tokio::time::Instant,
-) {
-    if pending.is_empty() {
-        *since = tokio::time::Instant::now();
+/// The commands waiting for the proposer's next entry.
+struct Pending {
+    proposals: Vec<Proposal>,
+    /// Their approximate size in the entry.
+    bytes: usize,
+    /// When the oldest of them arrived.
+    since: tokio::time::Instant,
+}
+
+impl Default for Pending {
+    fn default() -> Self {
+        Pending {
+            proposals: Vec::new(),
+            bytes: 0,
+            since: tokio::time::Instant::now(),
+        }
     }
-    *pending_bytes += approx_bytes(&m.cmd);
-    pending.push(m);
+}
+
+impl Pending {
+    /// Adds a command; the first one starts the hold's clock.
+    fn add(&mut self, m: Proposal) {
+        if self.proposals.is_empty() {
+            self.since = tokio::time::Instant::now();
+        }
+        self.bytes += approx_bytes(&m.cmd);
+        self.proposals.push(m);
+    }
+
+    /// Whether the entry takes no more commands.
+    fn full(&self) -> bool {
+        self.proposals.len() >= MAX_BATCH || self.bytes >= MAX_BATCH_BYTES
+    }
+
+    /// The commands, for one entry; the next starts empty.
+    fn take(&mut self) -> Vec<Proposal> {
+        self.bytes = 0;
+        std::mem::take(&mut self.proposals)
+    }
 }
 
 /// Whether the proposer hands Raft its pending commands now, as one entry:

@@ -68,13 +68,14 @@ impl Db {
             Durability::Fsync => FLUSHERS,
             Durability::Replicated => 1,
         };
-        if ActiveJournal::find(dir).is_none() {
-            tracing::warn!("no fjall journal file found; flushing through fjall's persist");
-        }
         for i in 0..flushers {
+            let journal = ActiveJournal::find(dir);
+            if i == 0 && journal.is_none() {
+                tracing::warn!("no fjall journal file found; flushing through fjall's persist");
+            }
             let flusher = Flusher {
                 db: db.clone(),
-                journal: ActiveJournal::find(dir),
+                journal,
                 queue: queue.clone(),
             };
             let spawned = std::thread::Builder::new()
@@ -346,12 +347,18 @@ mod tests {
     use super::*;
     use std::sync::mpsc;
 
+    /// A database in a fresh folder, flushing with fdatasync.
+    fn fsync_db() -> (tempfile::TempDir, Db) {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path(), Durability::Fsync).unwrap();
+        (dir, db)
+    }
+
     /// What waits for a flush runs after the syncer's next fdatasync, in order, with
     /// its outcome.
     #[test]
     fn work_waiting_for_a_flush_runs_after_it_in_order() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Db::open(dir.path(), Durability::Fsync).unwrap();
+        let (_dir, db) = fsync_db();
         let (tx, rx) = mpsc::channel();
         let before = crate::metrics::FSYNC_SECONDS.get_sample_count();
         for i in 0..3 {
@@ -370,8 +377,7 @@ mod tests {
     /// fdatasync that began after it was written.
     #[test]
     fn overlapping_flushes_answer_appends_in_order() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Db::open(dir.path(), Durability::Fsync).unwrap();
+        let (_dir, db) = fsync_db();
         let ks = db.keyspace("data").unwrap();
         let (tx, rx) = mpsc::channel();
         for i in 0u32..300 {
@@ -403,8 +409,7 @@ mod tests {
     /// neither waits on the other, and every chain runs to its end in order.
     #[test]
     fn answers_may_queue_appends_while_both_flushers_finish() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Db::open(dir.path(), Durability::Fsync).unwrap();
+        let (_dir, db) = fsync_db();
         let (tx, rx) = mpsc::channel();
         for c in 0..4 {
             chain(db.clone(), c, 0, tx.clone());
@@ -421,8 +426,7 @@ mod tests {
     /// Appends still waiting when the last handle goes are flushed and answered.
     #[test]
     fn dropping_the_database_answers_what_waits() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Db::open(dir.path(), Durability::Fsync).unwrap();
+        let (_dir, db) = fsync_db();
         let (tx, rx) = mpsc::channel();
         for i in 0..50 {
             let tx = tx.clone();
@@ -453,8 +457,7 @@ mod tests {
     /// `persist` otherwise) and follows it when fjall moves on to a new one.
     #[test]
     fn syncer_follows_the_active_journal_across_rotations() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Db::open(dir.path(), Durability::Fsync).unwrap();
+        let (dir, db) = fsync_db();
         let mut journal = ActiveJournal::find(dir.path()).expect("fjall's journal file");
         let first = journal.id;
         assert_eq!(first, max_journal_id(dir.path()));
