@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{serial, wait_until, Cluster, ClusterOpts};
+use common::{free_port, metric, serial, wait_until, Cluster, ClusterOpts, Proc};
 use courier_client::{ActivateJobs, Client, JobState, NewJob};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -448,6 +448,14 @@ async fn brokers_and_the_gateway_stop_cleanly_on_sigterm() {
     let mut cluster = Cluster::start(ClusterOpts::default()).await;
     let c = cluster.client();
     c.create_job(NewJob::new("t")).await.expect("create");
+    // Without --worker-threads a server runs one worker thread per CPU.
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    assert_eq!(
+        cluster
+            .gateway_metric(0, "courier_runtime_worker_threads")
+            .await,
+        cpus
+    );
     assert!(
         cluster.terminate_gateway(Duration::from_secs(10)),
         "gateway exit status"
@@ -496,4 +504,72 @@ async fn a_cluster_restarted_on_new_addresses_keeps_its_jobs() {
     let got = activate_n(&c, poll("moved", 100), keys.len(), Duration::from_secs(20)).await;
     let got: BTreeSet<i64> = got.into_iter().collect();
     assert_eq!(got, keys.iter().copied().collect::<BTreeSet<_>>());
+}
+
+/// Creates a job and activates it: the cluster behind `c` does its work.
+async fn create_and_activate_one(c: &Client) {
+    let key = c.create_job(NewJob::new("one")).await.expect("create").key;
+    let got = activate_n(c, poll("one", 1), 1, Duration::from_secs(10)).await;
+    assert_eq!(got, vec![key]);
+}
+
+/// `--worker-threads` sizes the runtime of each process: `courier dev` runs on one
+/// thread unless told otherwise, brokers and gateways on one per CPU; and a cluster
+/// on the threads it was given does its work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_threads_size_the_runtime_of_every_process() {
+    let _g = serial().await;
+    const GAUGE: &str = "courier_runtime_worker_threads";
+
+    // courier dev: 1 by default, what it is told otherwise.
+    for (extra, want) in [(None, 1.0), (Some("3"), 3.0)] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let gateway = format!("127.0.0.1:{}", free_port());
+        let metrics = format!("127.0.0.1:{}", free_port());
+        let mut args: Vec<String> = vec![
+            "dev".into(),
+            "--data-dir".into(),
+            dir.path().join("data").display().to_string(),
+            "--gateway-addr".into(),
+            gateway.clone(),
+            "--metrics-addr".into(),
+            metrics.clone(),
+        ];
+        if let Some(n) = extra {
+            args.extend(["--worker-threads".into(), n.into()]);
+        }
+        let log = dir.path().join("dev.log");
+        let mut dev = Proc::spawn(&args, log.clone());
+        let c = Client::connect(&gateway)
+            .expect("client")
+            .with_retry_budget(Duration::from_secs(20));
+        create_and_activate_one(&c).await;
+        assert_eq!(
+            metric(&metrics, GAUGE).await,
+            want,
+            "dev {extra:?}; log:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        assert!(dev.terminate(Duration::from_secs(10)), "dev exit status");
+    }
+
+    // Nothing is not a number of threads.
+    let out = std::process::Command::new(common::courier_bin())
+        .args(["dev", "--worker-threads", "0"])
+        .output()
+        .expect("run courier");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--worker-threads"), "{err}");
+
+    // Brokers and gateway: what they are told.
+    let cluster = Cluster::start(ClusterOpts {
+        worker_threads: Some(2),
+        ..ClusterOpts::default()
+    })
+    .await;
+    assert_eq!(cluster.broker_metric(GAUGE).await, 3.0 * 2.0);
+    assert_eq!(cluster.gateway_metric(0, GAUGE).await, 2.0);
+    let c = cluster.client();
+    create_and_activate_one(&c).await;
 }

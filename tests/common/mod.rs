@@ -65,6 +65,8 @@ pub struct ClusterOpts {
     pub keep_after_snapshot: u64,
     /// Start the gateways with `--no-push`.
     pub gateway_no_push: bool,
+    /// `--worker-threads` of every broker and gateway (None: their default).
+    pub worker_threads: Option<u16>,
 }
 
 impl Default for ClusterOpts {
@@ -77,17 +79,20 @@ impl Default for ClusterOpts {
             snapshot_every: 20_000,
             keep_after_snapshot: 1000,
             gateway_no_push: false,
+            worker_threads: None,
         }
     }
 }
 
-struct Proc {
+/// A `courier` process; killed when dropped.
+pub struct Proc {
     child: Option<Child>,
     log: PathBuf,
 }
 
 impl Proc {
-    fn spawn(args: &[String], log: PathBuf) -> Proc {
+    /// Starts `courier ARGS`, its stdout and stderr appended to `log`.
+    pub fn spawn(args: &[String], log: PathBuf) -> Proc {
         let out = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -117,7 +122,7 @@ impl Proc {
     }
 
     /// SIGTERM and wait: a clean shutdown; returns whether it exited successfully.
-    fn terminate(&mut self, within: Duration) -> bool {
+    pub fn terminate(&mut self, within: Duration) -> bool {
         let Some(mut c) = self.child.take() else {
             return false;
         };
@@ -215,7 +220,7 @@ impl Cluster {
 
     /// Starts (or restarts) broker `id` with its data directory.
     pub fn start_broker(&mut self, id: u64) {
-        let args = vec![
+        let mut args = vec![
             "broker".to_string(),
             "--node-id".into(),
             id.to_string(),
@@ -238,8 +243,16 @@ impl Cluster {
             "--metrics-addr".into(),
             self.broker_metrics[&id].clone(),
         ];
+        args.extend(self.worker_threads_args());
         let log = self.dir.path().join(format!("broker-{id}.log"));
         self.brokers.insert(id, Proc::spawn(&args, log));
+    }
+
+    fn worker_threads_args(&self) -> Vec<String> {
+        match self.opts.worker_threads {
+            Some(n) => vec!["--worker-threads".into(), n.to_string()],
+            None => Vec::new(),
+        }
     }
 
     /// Starts (or restarts) gateway `i` on its addresses.
@@ -260,6 +273,7 @@ impl Cluster {
         if self.opts.gateway_no_push {
             args.push("--no-push".into());
         }
+        args.extend(self.worker_threads_args());
         let log = self.dir.path().join(format!("gateway-{i}.log"));
         let p = Proc::spawn(&args, log);
         if i < self.gateways.len() {
@@ -424,6 +438,12 @@ impl Cluster {
                 }
             }
         }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
     }
 }
 

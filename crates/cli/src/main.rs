@@ -53,17 +53,25 @@ enum Cmd {
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    let result = match cli.cmd {
-        Cmd::Dev(a) => servers::dev(a).await,
-        Cmd::Broker(a) => servers::broker(a).await,
-        Cmd::Gateway(a) => servers::gateway(a).await,
-        Cmd::Job { conn, cmd } => client_cmds::job(conn, cmd).await,
-        Cmd::Worker { conn, args } => worker_cmd::worker(conn, args).await,
-        Cmd::Status { conn } => client_cmds::status(conn).await,
+    let runtime = match runtime(cli.cmd.worker_threads()) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the tokio runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
     };
+    let result = runtime.block_on(async move {
+        match cli.cmd {
+            Cmd::Dev(a) => servers::dev(a).await,
+            Cmd::Broker(a) => servers::broker(a).await,
+            Cmd::Gateway(a) => servers::gateway(a).await,
+            Cmd::Job { conn, cmd } => client_cmds::job(conn, cmd).await,
+            Cmd::Worker { conn, args } => worker_cmd::worker(conn, args).await,
+            Cmd::Status { conn } => client_cmds::status(conn).await,
+        }
+    });
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -71,4 +79,28 @@ async fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+impl Cmd {
+    /// The runtime's worker threads: what the servers were told, else tokio's
+    /// default (`TOKIO_WORKER_THREADS`, else one per CPU).
+    fn worker_threads(&self) -> Option<usize> {
+        match self {
+            Cmd::Dev(a) => Some(a.worker_threads()),
+            Cmd::Broker(a) => a.runtime.worker_threads(),
+            Cmd::Gateway(a) => a.runtime.worker_threads(),
+            Cmd::Job { .. } | Cmd::Worker { .. } | Cmd::Status { .. } => None,
+        }
+    }
+}
+
+/// A multi-threaded runtime, so blocking work (`spawn_blocking`) keeps its own
+/// threads whatever the number of workers.
+fn runtime(worker_threads: Option<usize>) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    b.enable_all();
+    if let Some(n) = worker_threads {
+        b.worker_threads(n);
+    }
+    b.build()
 }

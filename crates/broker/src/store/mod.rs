@@ -395,12 +395,12 @@ mod tests {
     }
 
     /// Queues the next flush from inside an answer, the way a chain of appends does.
-    fn chain(db: Db, chain: u32, step: u32, tx: mpsc::Sender<(u32, u32, bool)>) {
+    fn chain(db: Db, id: u32, step: u32, tx: mpsc::Sender<(u32, u32, bool)>) {
         let next = db.clone();
         db.after_flush(move |result| {
-            tx.send((chain, step, result.is_ok())).unwrap();
+            tx.send((id, step, result.is_ok())).unwrap();
             if step < 100 {
-                self::tests::chain(next, chain, step + 1, tx);
+                chain(next, id, step + 1, tx);
             }
         });
     }
