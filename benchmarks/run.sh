@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds Courier in release mode, starts each topology, runs the scenarios, stops
 # everything it started, and writes benchmarks/RESULTS.md.
-#   bash benchmarks/run.sh           full run (about 25 minutes)
+#   bash benchmarks/run.sh           full run (about 20 minutes)
 #   bash benchmarks/run.sh --quick   short run (under 2 minutes): the 3-broker fsync
 #                                    cluster's latency rows, JetStream at 1,000/s, and
 #                                    the slow-worker and burst scenarios, 2 s a row
@@ -84,9 +84,9 @@ e2e() { # label address
   RATIOS+=("| $1 | $(awk -v a="$(col "$push1" 4)" -v b="$(col "$commit" 4)" 'BEGIN{printf "%.2f", a/b}') | $(awk -v a="$(col "$poll1" 4)" -v b="$(col "$push1" 4)" 'BEGIN{printf "%.2f", a/b}') | $(awk -v a="$(col "$pollr" 6)" -v b="$(col "$pushr" 6)" 'BEGIN{printf "%.2f", a/b}') |")
 }
 
-start_dev() { # durability [data-dir tag: a fresh process per tag]
+start_dev() { # durability [data-dir tag: a fresh process per tag] [more dev options...]
   local gw; gw=$(free_port)
-  "$BIN/courier" dev --data-dir "$WORK/dev-$1${2:-}" --gateway-addr "127.0.0.1:$gw" --metrics-addr "127.0.0.1:$(free_port)" --durability "$1" >"$WORK/dev-$1${2:-}.log" 2>&1 &
+  "$BIN/courier" dev --data-dir "$WORK/dev-$1${2:-}" --gateway-addr "127.0.0.1:$gw" --metrics-addr "127.0.0.1:$(free_port)" --durability "$1" "${@:3}" >"$WORK/dev-$1${2:-}.log" 2>&1 &
   PIDS+=($!)
   wait_ready "127.0.0.1:$gw"; ADDR="127.0.0.1:$gw"
 }
@@ -182,7 +182,12 @@ FSYNC=$("$BIN/courier-bench" fsync-probe --dir "$WORK")
 for d in "${MODES[@]}"; do
   if [[ -z $QUICK ]]; then
     start_dev "$d"; bench "courier dev (1 broker, 2 partitions), $d" "$ADDR"; stop_all
-    if [[ $d == fsync ]]; then start_dev "$d" -e2e; e2e "courier dev, $d" "$ADDR"; stop_all; fi
+    if [[ $d == fsync ]]; then
+      start_dev "$d" -e2e; e2e "courier dev, $d" "$ADDR"; stop_all
+      # dev's default is one worker thread; the same rows on two (this machine's
+      # cores, and the servers' default here) show what that choice is worth.
+      start_dev "$d" -e2e2 --worker-threads 2; e2e "courier dev --worker-threads 2, $d" "$ADDR"; stop_all
+    fi
     start_cluster "$d"; bench "3 brokers, RF 3, 3 partitions, $d" "$ADDR"; stop_all
   fi
   start_cluster "$d" -e2e
