@@ -102,6 +102,9 @@ impl Proc {
         let child = Command::new(courier_bin())
             .args(args)
             .env("RUST_LOG", "info,openraft=warn")
+            // Each test says how many threads its processes run, not the shell.
+            .env_remove("COURIER_WORKER_THREADS")
+            .env_remove("TOKIO_WORKER_THREADS")
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)

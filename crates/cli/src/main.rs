@@ -94,8 +94,9 @@ impl Cmd {
     }
 }
 
-/// A multi-threaded runtime, so blocking work (`spawn_blocking`) keeps its own
-/// threads whatever the number of workers.
+/// The multi-threaded scheduler at every size, one worker included: the runtime
+/// behaves the same whatever it is given, and its workers are its own threads,
+/// never the main thread.
 fn runtime(worker_threads: Option<usize>) -> std::io::Result<tokio::runtime::Runtime> {
     let mut b = tokio::runtime::Builder::new_multi_thread();
     b.enable_all();
