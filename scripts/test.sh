@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Runs every test: unit tests, openraft's storage suite, cluster tests on real
 # processes, and the compatibility tests with real Zeebe clients (installed here
-# from the npm registry; nothing needs installing by hand).
+# from the npm registry and PyPI; nothing needs installing by hand).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 
 command -v npm >/dev/null || { echo "npm is required for the Zeebe client tests" >&2; exit 1; }
 npm ci --prefix tests/compat --no-audit --no-fund --loglevel=error
+
+command -v python3 >/dev/null || { echo "python3 is required for the pyzeebe tests" >&2; exit 1; }
+[ -x tests/compat/.venv/bin/python ] || python3 -m venv tests/compat/.venv
+tests/compat/.venv/bin/python -m pip install --quiet --disable-pip-version-check \
+  -r tests/compat/requirements.txt
 
 cargo test --workspace

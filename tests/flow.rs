@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{all_gone, serial, wait_until, Cluster, ClusterOpts};
+use common::{all_gone, serial, wait_registered, wait_until, Cluster, ClusterOpts};
 use courier_client::{Client, NewJob};
 use courier_proto::gateway_protocol::{gateway_client::GatewayClient, StreamActivatedJobsRequest};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -123,13 +123,7 @@ async fn slow_and_fast_workers_each_hold_at_most_their_credit() {
         );
     }
     // Four clients in two aggregated streams (fast, slow), on every broker.
-    wait_until(Duration::from_secs(10), "streams registered", || async {
-        cluster
-            .broker_metric("courier_broker_registered_streams")
-            .await
-            == 6.0
-    })
-    .await;
+    wait_registered(&cluster, 6.0).await;
     let keys = create(&c, "mixed", 600).await;
     wait_until(Duration::from_secs(60), "every job completed", || {
         all_gone(&c, &keys)
@@ -187,13 +181,7 @@ async fn overload_stays_bounded_and_drains_without_a_yield_storm() {
         )
         .await,
     ];
-    wait_until(Duration::from_secs(10), "stream registered", || async {
-        cluster
-            .broker_metric("courier_broker_registered_streams")
-            .await
-            == 3.0
-    })
-    .await;
+    wait_registered(&cluster, 3.0).await;
     // About 5 times that for 4 s.
     let mut keys = Vec::new();
     let start = Instant::now();

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{all_gone, serial, wait_until, Cluster, ClusterOpts};
+use common::{all_gone, serial, wait_registered, wait_until, Cluster, ClusterOpts};
 use courier_client::{Client, NewJob};
 use courier_proto::gateway_protocol::{
     gateway_client::GatewayClient, ActivatedJob, StreamActivatedJobsRequest,
@@ -35,21 +35,6 @@ async fn open_stream(
     .await
     .expect("open stream")
     .into_inner()
-}
-
-/// Streams registered on the brokers (one per gateway stream per broker).
-async fn wait_registered(cluster: &Cluster, n: f64) {
-    wait_until(
-        Duration::from_secs(10),
-        "streams are registered",
-        || async {
-            cluster
-                .broker_metric("courier_broker_registered_streams")
-                .await
-                == n
-        },
-    )
-    .await;
 }
 
 /// A worker that completes every job it is pushed and records the keys.

@@ -222,26 +222,8 @@ async fn zbctl_streaming_worker_completes_500_jobs_pushed_by_courier() {
             .expect("start zbctl worker"),
     );
     // zbctl's stream registered with every broker.
-    common::wait_until(
-        std::time::Duration::from_secs(15),
-        "zbctl's stream is registered",
-        || async {
-            cluster
-                .broker_metric("courier_broker_registered_streams")
-                .await
-                == 3.0
-        },
-    )
-    .await;
-
-    let mut keys = Vec::new();
-    for chunk in 0..10 {
-        let jobs = (0..50).map(|i| {
-            NewJob::new("zb-stream").variables(format!("{{\"n\":{}}}", chunk * 50 + i).as_str())
-        });
-        keys.extend(c.create_jobs(jobs).await.expect("create"));
-    }
-    assert_eq!(keys.len(), 500);
+    common::wait_registered(&cluster, 3.0).await;
+    let keys = common::create_in_batches(&c, "zb-stream", 10, 50).await;
     common::wait_until(
         std::time::Duration::from_secs(60),
         "zbctl completed all 500 jobs",

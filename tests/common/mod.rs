@@ -524,3 +524,155 @@ pub async fn all_gone(c: &Client, keys: &[i64]) -> bool {
 pub fn exists(p: &Path) -> bool {
     p.exists()
 }
+
+/// The created keys that do not answer NOT_FOUND (a completed job is gone), each
+/// with what it answered instead.
+pub async fn not_completed(c: &Client, keys: &[i64]) -> Vec<String> {
+    let mut left = Vec::new();
+    for k in keys {
+        match c.get_job(*k).await {
+            Err(e) if e.code() == Some(tonic::Code::NotFound) => {}
+            Ok(job) => left.push(format!("{k}: state {}", job.state)),
+            Err(e) => left.push(format!("{k}: {e}")),
+        }
+    }
+    left
+}
+
+/// Waits (10 s at most) until every job of `keys` is completed; panics naming the
+/// ones that are not. For clients that do not report failed completions themselves:
+/// it covers only a read racing the last completion, not a wait for the worker.
+pub async fn assert_all_completed(c: &Client, keys: &[i64]) {
+    let mut left = Vec::new();
+    let gone = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            left = not_completed(c, keys).await;
+            if left.is_empty() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    })
+    .await;
+    assert!(
+        gone.is_ok(),
+        "{} of {} jobs are not completed, e.g. {:?}",
+        left.len(),
+        keys.len(),
+        &left[..left.len().min(5)]
+    );
+}
+
+/// A client program under test (a Zeebe client's worker script): its stdout and
+/// stderr go to one file, it is killed when dropped however the test ends, and its
+/// whole output is printed when the test fails.
+pub struct ClientProc {
+    child: Child,
+    /// Not a `.log` file: the cluster prints only the last lines of those, and
+    /// clients' stack traces run longer.
+    out: PathBuf,
+}
+
+impl ClientProc {
+    /// Starts `program args`, its output in `out`.
+    pub fn spawn(program: &Path, args: &[&str], out: PathBuf) -> ClientProc {
+        let file = std::fs::File::create(&out).expect("client output file");
+        let child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().expect("client output file"))
+            .stderr(file)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", program.display()));
+        ClientProc { child, out }
+    }
+
+    pub fn output(&self) -> String {
+        std::fs::read_to_string(&self.out).unwrap_or_default()
+    }
+
+    /// The integers the client printed one a line (the job keys it handled).
+    pub fn printed_keys(&self) -> std::collections::BTreeSet<i64> {
+        self.output()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    }
+
+    /// Panics (the output is printed on drop) if the client has exited
+    /// unsuccessfully; true if it has exited successfully.
+    pub fn exited_ok(&mut self) -> bool {
+        match self.child.try_wait().expect("poll client process") {
+            None => false,
+            Some(status) if status.success() => true,
+            Some(status) => panic!("{} exited with {status}", self.out.display()),
+        }
+    }
+}
+
+impl ClientProc {
+    /// Waits until the client has exited successfully (`within` at most), then
+    /// checks that the keys it printed are exactly `keys`.
+    pub async fn wait_for_keys(&mut self, within: Duration, keys: &[i64]) {
+        let what = format!("{} handled every job and exited", self.out.display());
+        wait_until(within, &what, || {
+            let done = self.exited_ok();
+            async move { done }
+        })
+        .await;
+        assert_eq!(
+            self.printed_keys(),
+            keys.iter()
+                .copied()
+                .collect::<std::collections::BTreeSet<i64>>(),
+            "the keys the client handled are not the keys created"
+        );
+    }
+}
+
+impl Drop for ClientProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("----- {} -----\n{}", self.out.display(), self.output());
+        }
+    }
+}
+
+/// Waits (10 s at most) until the brokers hold `n` stream registrations in all (one
+/// per aggregated gateway stream per broker).
+pub async fn wait_registered(cluster: &Cluster, n: f64) {
+    wait_until(
+        Duration::from_secs(10),
+        &format!("{n} streams are registered on the brokers"),
+        || async {
+            cluster
+                .broker_metric("courier_broker_registered_streams")
+                .await
+                == n
+        },
+    )
+    .await;
+}
+
+/// Creates `batches` requests of `per_batch` jobs of `job_type`, each with a
+/// variable `n` counting from 0 (several requests, so the jobs land on several
+/// partitions), and returns their keys.
+pub async fn create_in_batches(
+    c: &Client,
+    job_type: &str,
+    batches: usize,
+    per_batch: usize,
+) -> Vec<i64> {
+    let mut keys = Vec::new();
+    for batch in 0..batches {
+        let jobs = (0..per_batch).map(|i| {
+            courier_client::NewJob::new(job_type)
+                .variables(format!("{{\"n\":{}}}", batch * per_batch + i).as_str())
+        });
+        keys.extend(c.create_jobs(jobs).await.expect("create"));
+    }
+    assert_eq!(keys.len(), batches * per_batch);
+    keys
+}
