@@ -574,3 +574,97 @@ async fn worker_threads_size_the_runtime_of_every_process() {
     let c = cluster.client();
     create_and_activate_one(&c).await;
 }
+
+/// A poll that finds nothing is answered from the leaders' applied state: no log
+/// entry, no commit (before, every parked poll a notice woke wrote an empty entry to
+/// each partition it visited). A poll that finds a job still activates it through
+/// the log, and a long poll parked on empty partitions is still woken by a new job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polls_that_find_nothing_write_nothing_to_the_log() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let empty = || cluster.broker_metric("courier_broker_empty_activations_total");
+    let commands = || cluster.broker_metric("courier_broker_batch_commands_sum");
+    let once = poll("nothing-here", 10).request_timeout(Duration::ZERO);
+
+    // Each leader answers from its state once it has applied an entry of its own
+    // term, right after its election: from then on a poll visits the 3 partitions
+    // without proposing anything.
+    wait_until(
+        Duration::from_secs(10),
+        "an empty poll is answered by all 3 leaders without a log entry",
+        || {
+            let (c, once) = (c.clone(), once.clone());
+            async move {
+                let before = empty().await;
+                assert!(c.activate_jobs(once).await.expect("poll").is_empty());
+                empty().await - before == 3.0
+            }
+        },
+    )
+    .await;
+    let (empty_before, commands_before) = (empty().await, commands().await);
+    for _ in 0..20 {
+        assert!(c
+            .activate_jobs(once.clone())
+            .await
+            .expect("poll")
+            .is_empty());
+    }
+    assert_eq!(
+        empty().await - empty_before,
+        60.0,
+        "20 polls of 3 partitions"
+    );
+    assert_eq!(
+        commands().await,
+        commands_before,
+        "a poll that found nothing proposed a command"
+    );
+
+    // A job there is still activated, through the log.
+    let key = c
+        .create_job(NewJob::new("nothing-here"))
+        .await
+        .expect("create")
+        .key;
+    let commands_before = commands().await;
+    let jobs = activate_n(&c, once.clone(), 1, Duration::from_secs(10)).await;
+    assert_eq!(jobs, vec![key]);
+    assert!(
+        commands().await > commands_before,
+        "the activation was not logged"
+    );
+
+    // A long poll that found nothing parks, and the next job wakes it.
+    let parked = tokio::spawn({
+        let c = c.clone();
+        async move {
+            c.activate_jobs(poll("later", 1).request_timeout(Duration::from_secs(20)))
+                .await
+                .expect("long poll")
+        }
+    });
+    wait_until(
+        Duration::from_secs(10),
+        "the long poll is parked",
+        || async {
+            cluster
+                .gateway_metric(0, "courier_gateway_long_poll_parked")
+                .await
+                == 1.0
+        },
+    )
+    .await;
+    let key = c
+        .create_job(NewJob::new("later"))
+        .await
+        .expect("create")
+        .key;
+    let jobs = tokio::time::timeout(Duration::from_secs(5), parked)
+        .await
+        .expect("the parked poll was not woken by the new job")
+        .expect("join");
+    assert_eq!(jobs.iter().map(|j| j.key).collect::<Vec<_>>(), vec![key]);
+}

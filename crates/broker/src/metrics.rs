@@ -227,6 +227,15 @@ pub static BACKFILLED: LazyLock<IntCounter> = LazyLock::new(|| {
     )))
 });
 
+/// Activate commands answered with no job from the leader's applied state, without
+/// a log entry.
+pub static EMPTY_ACTIVATIONS: LazyLock<IntCounter> = LazyLock::new(|| {
+    register(built(IntCounter::new(
+        "courier_broker_empty_activations_total",
+        "Activate requests answered empty by the leader without a log entry (nothing of the type was activatable)",
+    )))
+});
+
 /// From proposing a create to sending the activated job to a gateway.
 pub static CREATE_TO_PUSH: LazyLock<Histogram> = LazyLock::new(|| {
     register(built(Histogram::with_opts(
@@ -258,6 +267,7 @@ mod tests {
         super::TRY_NEXT.inc();
         super::YIELDS.with_label_values(&["gateway"]).inc();
         super::BACKFILLED.inc();
+        super::EMPTY_ACTIVATIONS.inc();
         super::CREATE_TO_PUSH.observe(0.001);
         let names: Vec<String> = prometheus::gather()
             .iter()

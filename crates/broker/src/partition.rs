@@ -170,9 +170,38 @@ impl Partition {
             ) => Some((*key, g)),
             _ => None,
         };
+        if let Command::Activate { props, .. } = &cmd {
+            if self.nothing_to_activate(props) {
+                metrics::EMPTY_ACTIVATIONS.inc();
+                return Ok(Reply::Activated(Vec::new()));
+            }
+        }
         let push = self.push_targets(&cmd);
         self.propose_from(LogCommand::Client { cmd, push }, ends_from)
             .await
+    }
+
+    /// Whether an Activate would certainly activate nothing, so it needs no log
+    /// entry (and no commit): this replica leads, it has applied an entry of its own
+    /// term (so every entry of earlier leaders too), and its applied state has no
+    /// activatable job of the type for these tenants. A job that becomes activatable
+    /// later does so through an entry this leader proposes, whose application sends
+    /// the gateways a "jobs available" notice; the gateway subscribed to those before
+    /// it asked, so the poll it parks is woken. Without this, every parked poll woken
+    /// by a notice wrote an empty entry to each partition it visited.
+    fn nothing_to_activate(&self, props: &ActivationProps) -> bool {
+        let metrics = self.raft.metrics();
+        let m = metrics.borrow();
+        let caught_up = m.state == ServerState::Leader
+            && m.last_applied
+                .is_some_and(|applied| applied.leader_id.term == m.current_term);
+        drop(m);
+        caught_up
+            && !self
+                .shared
+                .read()
+                .state
+                .has_activatable(&props.job_type, &props.tenant_ids)
     }
 
     /// The streams that may take the jobs this command makes runnable: decided here,
