@@ -7,8 +7,8 @@
 //!
 //! Habits of pyzeebe (4.7.0) this depends on: with streaming on it keeps polling
 //! ActivateJobs beside the stream, so some jobs may reach it by a poll; its poller
-//! asks for at most 32 jobs and waits a second before the next poll whenever it
-//! has 32 jobs running.
+//! asks for at most 32 jobs, and while 32 jobs (pushed or polled) are running it
+//! waits `poll_retry_delay` before asking again (5 s by default; the script sets 1 s).
 
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::expect_used, clippy::unwrap_used)]
