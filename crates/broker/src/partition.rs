@@ -565,12 +565,16 @@ fn carry_out(
 ) {
     for e in effects {
         match e {
-            Effect::JobsAvailable { job_type, .. } => {
+            Effect::JobsAvailable {
+                job_type,
+                tenant_id,
+            } => {
                 // No receiver (no gateway linked) is fine.
                 let _ = p.notices.send(BrokerMessage {
                     kind: Some(broker_message::Kind::JobsAvailable(JobsAvailable {
                         r#type: job_type,
                         partition_id: p.id.0,
+                        tenant_id,
                     })),
                 });
             }

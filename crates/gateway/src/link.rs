@@ -203,7 +203,7 @@ impl BrokerLink {
                     partition = j.partition_id,
                     "jobs available"
                 );
-                self.queue.notify(&j.r#type);
+                self.queue.notify(&j.r#type, &j.tenant_id);
                 None
             }
             Some(broker_message::Kind::Push(p)) => Self::push(node, p, link),

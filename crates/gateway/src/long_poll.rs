@@ -1,27 +1,89 @@
 //! Parked ActivateJobs requests, woken when a broker says jobs of their type became
 //! available.
 //!
-//! Each job type with waiters has a generation counter in a `watch` channel. A waiter
-//! subscribes before it visits the partitions, which marks the current generation as
-//! seen; any notice after that (even one that arrives during the visit) bumps the
-//! generation, so the next wait returns at once instead of sleeping through it.
+//! Per job type, the parked requests wait in line, oldest first. A notice for a
+//! (type, tenant) wakes one of them, the oldest that wants the tenant: one request
+//! visits the partitions for it, not every parked one at once, and parked requests
+//! take turns. A woken request that fills its batch passes the turn on (there may be
+//! more), and so does one that goes away before it has looked. A notice that finds
+//! no parked request for its tenant is kept, and the next request of the type that
+//! parks and wants the tenant looks again at once instead: a request subscribes
+//! before it visits the partitions, so a notice during the visit is not lost.
+//! `notify_all` (a broker link came back, its notices may be lost) wakes every
+//! request of every type, parked or visiting.
 
 use crate::metrics;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use tokio::sync::watch;
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-/// Generation counters of the job types that have waiters.
+/// The waiting requests of every job type that has some.
 #[derive(Default)]
 pub struct LongPollQueue {
     /// Only types with at least one live [`Waiter`]; the last waiter to leave
     /// removes its entry, so the map never outgrows the waiting requests.
-    types: Mutex<HashMap<String, watch::Sender<u64>>>,
+    types: Mutex<HashMap<String, TypeWaiters>>,
     /// Requests parked right now.
     parked: AtomicI64,
+    next_id: AtomicU64,
+}
+
+/// The waiters of one job type.
+#[derive(Default)]
+struct TypeWaiters {
+    /// Parked, oldest first.
+    parked: VecDeque<ParkedWaiter>,
+    /// Tenants announced while no parked waiter wanted them.
+    pending: HashSet<String>,
+    /// Bumped by `notify_all`: a waiter that has not seen the current value looks
+    /// again at once.
+    epoch: u64,
+    /// Live waiters, parked or visiting.
+    waiters: usize,
+}
+
+struct ParkedWaiter {
+    id: u64,
+    tenants: Arc<[String]>,
+    /// Told the tenant of the notice that gives the waiter its turn.
+    wake: oneshot::Sender<String>,
+}
+
+impl TypeWaiters {
+    /// Gives the turn to the oldest parked waiter that wants `tenant` (any, when
+    /// empty), else keeps the notice for the next one to park.
+    fn notify(&mut self, tenant: &str) {
+        while let Some(pos) = self
+            .parked
+            .iter()
+            .position(|w| tenant.is_empty() || w.tenants.iter().any(|t| t == tenant))
+        {
+            if let Some(w) = self.parked.remove(pos) {
+                // A waiter whose request went away takes nothing: try the next.
+                if w.wake.send(tenant.to_string()).is_ok() {
+                    return;
+                }
+            }
+        }
+        if tenant.is_empty() {
+            self.epoch = self.epoch.wrapping_add(1);
+        } else {
+            self.pending.insert(tenant.to_string());
+        }
+    }
+
+    fn remove_parked(&mut self, id: u64) -> bool {
+        match self.parked.iter().position(|w| w.id == id) {
+            Some(pos) => {
+                self.parked.remove(pos);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 impl LongPollQueue {
@@ -30,32 +92,39 @@ impl LongPollQueue {
         Arc::new(Self::default())
     }
 
-    /// Starts watching for jobs of `job_type`; notices from now on are not missed.
-    pub fn subscribe(self: &Arc<Self>, job_type: &str) -> Waiter {
+    /// Starts waiting for jobs of `job_type` and `tenants`; notices from now on are
+    /// not missed.
+    pub fn subscribe(self: &Arc<Self>, job_type: &str, tenants: &[String]) -> Waiter {
         let mut types = self.lock();
-        let rx = types
-            .entry(job_type.to_string())
-            .or_insert_with(|| watch::Sender::new(0))
-            .subscribe();
+        let t = types.entry(job_type.to_string()).or_default();
+        t.waiters += 1;
         Waiter {
             queue: Arc::clone(self),
             job_type: job_type.to_string(),
-            rx: Some(rx),
+            tenants: tenants.into(),
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            epoch_seen: t.epoch,
+            wake: None,
+            unserved: None,
         }
     }
 
-    /// Wakes every waiter for `job_type`.
-    pub fn notify(&self, job_type: &str) {
-        if let Some(tx) = self.lock().get(job_type) {
-            tx.send_modify(|g| *g = g.wrapping_add(1));
+    /// Jobs of `job_type` and `tenant` (any tenant, when empty) became available:
+    /// wakes the oldest parked waiter that wants them.
+    pub fn notify(&self, job_type: &str, tenant: &str) {
+        if let Some(t) = self.lock().get_mut(job_type) {
+            t.notify(tenant);
         }
     }
 
     /// Wakes every waiter of every type: after a broker link (re)connects, notices
     /// sent while it was down are lost, so everyone looks again.
     pub fn notify_all(&self) {
-        for tx in self.lock().values() {
-            tx.send_modify(|g| *g = g.wrapping_add(1));
+        for t in self.lock().values_mut() {
+            t.epoch = t.epoch.wrapping_add(1);
+            for w in t.parked.drain(..) {
+                let _ = w.wake.send(String::new());
+            }
         }
     }
 
@@ -69,33 +138,102 @@ impl LongPollQueue {
         self.lock().len()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, watch::Sender<u64>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, TypeWaiters>> {
         // Every critical section leaves the map consistent, so a poisoned one is usable.
         self.types.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-/// One request's subscription to a job type.
+/// One request's place among the waiters of its job type.
 pub struct Waiter {
     queue: Arc<LongPollQueue>,
     job_type: String,
-    /// Always `Some` until dropped; taken in `drop` so the receiver count is exact
-    /// when deciding whether to remove the type.
-    rx: Option<watch::Receiver<u64>>,
+    tenants: Arc<[String]>,
+    id: u64,
+    epoch_seen: u64,
+    /// While parked: where the turn arrives.
+    wake: Option<oneshot::Receiver<String>>,
+    /// The tenant of a notice this waiter was woken for and has not looked at yet
+    /// (`Some("")`: any tenant): passed on if the request goes away first.
+    unserved: Option<String>,
 }
 
 impl Waiter {
-    /// Parks until a notice for the type newer than the last one seen, `until`, or
-    /// `shutdown`. Returns true when woken by a notice.
+    /// Parks until this waiter's turn (a notice for one of its tenants), `until`, or
+    /// `shutdown`. Returns true when it should look at the partitions again: it was
+    /// woken, or a notice came while it was not parked.
     pub async fn wait(&mut self, until: Instant, shutdown: &CancellationToken) -> bool {
-        let Some(rx) = self.rx.as_mut() else {
-            return false;
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut types = self.queue.lock();
+            let Some(t) = types.get_mut(&self.job_type) else {
+                return false;
+            };
+            if t.epoch != self.epoch_seen {
+                self.epoch_seen = t.epoch;
+                return true;
+            }
+            if let Some(tenant) = self.tenants.iter().find(|x| t.pending.contains(*x)) {
+                let tenant = tenant.clone();
+                t.pending.remove(&tenant);
+                self.unserved = Some(tenant);
+                return true;
+            }
+            t.parked.push_back(ParkedWaiter {
+                id: self.id,
+                tenants: Arc::clone(&self.tenants),
+                wake: tx,
+            });
+        }
+        let rx = self.wake.insert(rx);
+        let parked = Parked::new(&self.queue);
+        let woken = tokio::select! {
+            r = rx => Some(r.unwrap_or_default()),
+            _ = tokio::time::sleep_until(until) => None,
+            _ = shutdown.cancelled() => None,
         };
-        let _parked = Parked::new(&self.queue);
-        tokio::select! {
-            changed = rx.changed() => changed.is_ok(),
-            _ = tokio::time::sleep_until(until) => false,
-            _ = shutdown.cancelled() => false,
+        drop(parked);
+        let woken = match woken {
+            Some(tenant) => Some(tenant),
+            None => {
+                let mut types = self.queue.lock();
+                let left = types
+                    .get_mut(&self.job_type)
+                    .is_some_and(|t| t.remove_parked(self.id));
+                drop(types);
+                // Not in line any more: a notice chose this waiter just now.
+                let rx = self.wake.as_mut().filter(|_| !left);
+                rx.and_then(|rx| rx.try_recv().ok())
+            }
+        };
+        self.wake = None;
+        match woken {
+            Some(tenant) => {
+                let mut types = self.queue.lock();
+                if let Some(t) = types.get_mut(&self.job_type) {
+                    self.epoch_seen = t.epoch;
+                }
+                self.unserved = Some(tenant);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The request has looked at the partitions since it was woken: the notice is
+    /// served.
+    pub fn visited(&mut self) {
+        self.unserved = None;
+    }
+
+    /// The request took a full batch: there may be more, so the next waiter of each
+    /// of its tenants gets a turn.
+    pub fn pass_on(&self) {
+        let mut types = self.queue.lock();
+        if let Some(t) = types.get_mut(&self.job_type) {
+            for tenant in self.tenants.iter() {
+                t.notify(tenant);
+            }
         }
     }
 }
@@ -103,11 +241,17 @@ impl Waiter {
 impl Drop for Waiter {
     fn drop(&mut self) {
         let mut types = self.queue.lock();
-        drop(self.rx.take());
-        if types
-            .get(&self.job_type)
-            .is_some_and(|tx| tx.receiver_count() == 0)
-        {
+        let Some(t) = types.get_mut(&self.job_type) else {
+            return;
+        };
+        t.remove_parked(self.id);
+        // Woken (or chosen while going away) and never looked: the next one looks.
+        let chosen = self.wake.take().and_then(|mut rx| rx.try_recv().ok());
+        if let Some(tenant) = chosen.or(self.unserved.take()) {
+            t.notify(&tenant);
+        }
+        t.waiters = t.waiters.saturating_sub(1);
+        if t.waiters == 0 {
             types.remove(&self.job_type);
         }
     }
@@ -137,58 +281,189 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    const T: &str = "<default>";
+
     fn secs(s: u64) -> Instant {
         Instant::now() + Duration::from_secs(s)
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_notice_wakes_the_waiters_of_its_type_only() {
-        let q = LongPollQueue::new();
-        let token = CancellationToken::new();
-        let mut a = q.subscribe("a");
-        let mut b = q.subscribe("b");
-        let qq = q.clone();
+    fn tenants(t: &[&str]) -> Vec<String> {
+        t.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// Parks `w` in a task of its own; the handle says whether it was woken.
+    fn park(mut w: Waiter, until: Instant) -> tokio::task::JoinHandle<(bool, Waiter)> {
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            qq.notify("a");
-        });
-        let start = Instant::now();
-        assert!(a.wait(secs(10), &token).await);
-        assert_eq!(start.elapsed(), Duration::from_secs(1));
-        assert!(!b.wait(secs(10), &token).await, "b must time out");
-        assert_eq!(start.elapsed(), Duration::from_secs(11));
+            let woken = w.wait(until, &CancellationToken::new()).await;
+            (woken, w)
+        })
+    }
+
+    /// Lets spawned tasks run up to their next wait, without moving the clock.
+    async fn settle() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_notice_between_subscribe_and_wait_is_not_lost() {
+    async fn a_notice_wakes_one_parked_waiter_of_its_type_and_tenant() {
+        let q = LongPollQueue::new();
+        let a1 = park(q.subscribe("a", &tenants(&[T])), secs(10));
+        settle().await;
+        let a2 = park(q.subscribe("a", &tenants(&[T])), secs(10));
+        let other_tenant = park(q.subscribe("a", &tenants(&["x"])), secs(10));
+        let b = park(q.subscribe("b", &tenants(&[T])), secs(10));
+        settle().await;
+        assert_eq!(q.parked(), 4);
+        q.notify("a", T);
+        let (woken, _a1) = a1.await.unwrap();
+        assert!(woken, "the oldest waiter for the type and tenant is woken");
+        settle().await;
+        assert_eq!(q.parked(), 3, "one notice, one waiter");
+        let start = Instant::now();
+        assert!(!a2.await.unwrap().0);
+        assert!(!other_tenant.await.unwrap().0);
+        assert!(!b.await.unwrap().0);
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_secs(10),
+            "the others time out"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn parked_waiters_take_turns_oldest_first() {
+        let q = LongPollQueue::new();
+        let turns = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for name in ["a", "b", "c"] {
+            let (q, turns) = (q.clone(), turns.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut w = q.subscribe("t", &tenants(&[T]));
+                let token = CancellationToken::new();
+                // Woken, it looks (finding one job, not a full batch) and parks again.
+                while w.wait(secs(100), &token).await {
+                    w.visited();
+                    turns.lock().unwrap().push(name);
+                }
+            }));
+            settle().await;
+        }
+        for _ in 0..7 {
+            q.notify("t", T);
+            settle().await;
+        }
+        assert_eq!(
+            *turns.lock().unwrap(),
+            vec!["a", "b", "c", "a", "b", "c", "a"]
+        );
+        for t in tasks {
+            t.abort();
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_notice_while_nobody_is_parked_is_kept_for_the_next_to_park() {
         let q = LongPollQueue::new();
         let token = CancellationToken::new();
-        let mut w = q.subscribe("t");
+        let mut w = q.subscribe("t", &tenants(&[T]));
         // Arrives while the request is still visiting partitions.
-        q.notify("t");
+        q.notify("t", T);
         let start = Instant::now();
         assert!(w.wait(secs(10), &token).await);
         assert_eq!(start.elapsed(), Duration::ZERO);
-        // Seen now: the next wait parks again.
+        w.visited();
+        // Served now: the next wait parks again.
         assert!(!w.wait(secs(10), &token).await);
+        // A notice for a tenant it does not want is not its.
+        q.notify("t", "x");
+        assert!(!w.wait(secs(20), &token).await);
     }
 
     #[tokio::test(start_paused = true)]
-    async fn notify_all_wakes_every_type() {
+    async fn a_woken_waiter_that_goes_away_before_looking_passes_the_turn_on() {
         let q = LongPollQueue::new();
+        let first = park(q.subscribe("t", &tenants(&[T])), secs(10));
+        settle().await;
+        let second = park(q.subscribe("t", &tenants(&[T])), secs(10));
+        settle().await;
+        q.notify("t", T);
+        let (woken, w) = first.await.unwrap();
+        assert!(woken);
+        // Its request ends (the client went away) before it visited the partitions.
+        drop(w);
+        let start = Instant::now();
+        assert!(second.await.unwrap().0, "the turn went to the next waiter");
+        assert_eq!(start.elapsed(), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_that_goes_away_while_parked_leaves_the_line() {
+        let q = LongPollQueue::new();
+        let gone = park(q.subscribe("t", &tenants(&[T])), secs(10));
+        settle().await;
+        let next = park(q.subscribe("t", &tenants(&[T])), secs(10));
+        settle().await;
+        gone.abort();
+        let _ = gone.await;
+        q.notify("t", T);
+        let start = Instant::now();
+        assert!(next.await.unwrap().0);
+        assert_eq!(start.elapsed(), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_batch_passes_the_turn_on() {
+        let q = LongPollQueue::new();
+        let mut taker = q.subscribe("t", &tenants(&[T]));
+        let next = park(q.subscribe("t", &tenants(&[T])), secs(10));
+        settle().await;
+        // The taker's first visit filled its batch.
+        taker.visited();
+        taker.pass_on();
+        let start = Instant::now();
+        assert!(next.await.unwrap().0);
+        assert_eq!(start.elapsed(), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_empty_tenant_means_any() {
+        let q = LongPollQueue::new();
+        let x = park(q.subscribe("t", &tenants(&["x"])), secs(10));
+        settle().await;
+        q.notify("t", "");
+        assert!(x.await.unwrap().0);
+        // Nobody parked: every waiter of the type looks again.
         let token = CancellationToken::new();
-        let mut a = q.subscribe("a");
-        let mut b = q.subscribe("b");
-        q.notify_all();
+        let mut a = q.subscribe("t", &tenants(&["a"]));
+        let mut b = q.subscribe("t", &tenants(&["b"]));
+        q.notify("t", "");
         assert!(a.wait(secs(10), &token).await);
         assert!(b.wait(secs(10), &token).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn notify_all_wakes_every_waiter_of_every_type() {
+        let q = LongPollQueue::new();
+        let token = CancellationToken::new();
+        let p1 = park(q.subscribe("a", &tenants(&[T])), secs(10));
+        let p2 = park(q.subscribe("a", &tenants(&[T])), secs(10));
+        settle().await;
+        let mut visiting_a = q.subscribe("a", &tenants(&[T]));
+        let mut visiting_b = q.subscribe("b", &tenants(&[T]));
+        q.notify_all();
+        assert!(p1.await.unwrap().0);
+        assert!(p2.await.unwrap().0);
+        assert!(visiting_a.wait(secs(10), &token).await);
+        assert!(visiting_b.wait(secs(10), &token).await);
     }
 
     #[tokio::test(start_paused = true)]
     async fn shutdown_ends_the_wait() {
         let q = LongPollQueue::new();
         let token = CancellationToken::new();
-        let mut w = q.subscribe("t");
+        let mut w = q.subscribe("t", &tenants(&[T]));
         let t = token.clone();
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_secs(2)).await;
@@ -197,14 +472,15 @@ mod tests {
         let start = Instant::now();
         assert!(!w.wait(secs(60), &token).await);
         assert_eq!(start.elapsed(), Duration::from_secs(2));
+        assert_eq!(q.parked(), 0);
     }
 
     #[tokio::test(start_paused = true)]
     async fn types_without_waiters_are_forgotten() {
         let q = LongPollQueue::new();
-        let w1 = q.subscribe("t");
-        let w2 = q.subscribe("t");
-        let w3 = q.subscribe("u");
+        let w1 = q.subscribe("t", &tenants(&[T]));
+        let w2 = q.subscribe("t", &tenants(&[T]));
+        let w3 = q.subscribe("u", &tenants(&[T]));
         assert_eq!(q.types_watched(), 2);
         drop(w1);
         assert_eq!(q.types_watched(), 2);
@@ -213,7 +489,7 @@ mod tests {
         drop(w3);
         assert_eq!(q.types_watched(), 0);
         // A notice for a type nobody waits for creates nothing.
-        q.notify("t");
+        q.notify("t", T);
         assert_eq!(q.types_watched(), 0);
     }
 
@@ -221,13 +497,9 @@ mod tests {
     async fn the_gauge_counts_parked_requests_also_when_abandoned() {
         let q = LongPollQueue::new();
         let token = CancellationToken::new();
-        let mut w = q.subscribe("t");
+        let mut w = q.subscribe("t", &tenants(&[T]));
         assert_eq!(q.parked(), 0, "subscribed but visiting is not parked");
-        let qq = q.clone();
-        let task = tokio::spawn(async move {
-            let mut w2 = qq.subscribe("t");
-            w2.wait(secs(60), &CancellationToken::new()).await
-        });
+        let task = park(q.subscribe("t", &tenants(&[T])), secs(60));
         let waiting = w.wait(secs(1), &token);
         tokio::pin!(waiting);
         tokio::select! {

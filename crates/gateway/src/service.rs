@@ -165,9 +165,16 @@ impl Shared {
         }
         .map(|end| end.min(deadline.checked_sub(LONG_POLL_MARGIN).unwrap_or(deadline)));
         // Subscribed before the first visit: a notice during the visit is not lost.
-        let mut waiter = poll_end.map(|_| self.queue.subscribe(&props.job_type));
+        let mut waiter = poll_end.map(|_| self.queue.subscribe(&props.job_type, &props.tenant_ids));
         loop {
             let jobs = self.visit(&props, max, deadline).await?;
+            if let Some(w) = waiter.as_mut() {
+                w.visited();
+                // A full batch may have left more: the next parked request looks.
+                if u32::try_from(jobs.len()).is_ok_and(|n| n >= max) {
+                    w.pass_on();
+                }
+            }
             if !jobs.is_empty() {
                 metrics::jobs_activated(jobs.len());
                 tracing::debug!(jobs = jobs.len(), "activated");
