@@ -7,7 +7,9 @@
 
 mod common;
 
-use common::{all_gone, serial, wait_registered, wait_until, Cluster, ClusterOpts};
+use common::{
+    all_gone, serial, wait_broker_metric, wait_registered, wait_until, Cluster, ClusterOpts,
+};
 use courier_client::{Client, NewJob};
 use courier_proto::gateway_protocol::{
     gateway_client::GatewayClient, ActivatedJob, StreamActivatedJobsRequest,
@@ -303,17 +305,7 @@ async fn failed_and_timed_out_jobs_are_pushed_again() {
 
 /// Waits until the leaders track `n` pushed jobs whose activation has not ended.
 async fn wait_pushed_active(cluster: &Cluster, n: f64) {
-    wait_until(
-        Duration::from_secs(10),
-        &format!("{n} pushed jobs are active"),
-        || async {
-            cluster
-                .broker_metric("courier_broker_pushed_jobs_active")
-                .await
-                == n
-        },
-    )
-    .await;
+    wait_broker_metric(cluster, "courier_broker_pushed_jobs_active", n).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -640,20 +640,20 @@ impl Drop for ClientProc {
     }
 }
 
-/// Waits (10 s at most) until the brokers hold `n` stream registrations in all (one
-/// per aggregated gateway stream per broker).
-pub async fn wait_registered(cluster: &Cluster, n: f64) {
+/// Waits (10 s at most) until the brokers' metric `name`, summed over them, is `n`.
+pub async fn wait_broker_metric(cluster: &Cluster, name: &str, n: f64) {
     wait_until(
         Duration::from_secs(10),
-        &format!("{n} streams are registered on the brokers"),
-        || async {
-            cluster
-                .broker_metric("courier_broker_registered_streams")
-                .await
-                == n
-        },
+        &format!("the brokers' {name} is {n}"),
+        || async { cluster.broker_metric(name).await == n },
     )
     .await;
+}
+
+/// Waits until the brokers hold `n` stream registrations in all (one per aggregated
+/// gateway stream per broker).
+pub async fn wait_registered(cluster: &Cluster, n: f64) {
+    wait_broker_metric(cluster, "courier_broker_registered_streams", n).await;
 }
 
 /// Creates `batches` requests of `per_batch` jobs of `job_type`, each with a

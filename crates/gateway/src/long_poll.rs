@@ -201,9 +201,12 @@ impl Waiter {
                     .get_mut(&self.job_type)
                     .is_some_and(|t| t.remove_parked(self.id));
                 drop(types);
-                // Not in line any more: a notice chose this waiter just now.
-                let rx = self.wake.as_mut().filter(|_| !left);
-                rx.and_then(|rx| rx.try_recv().ok())
+                if left {
+                    None
+                } else {
+                    // Not in line any more: a notice chose this waiter just now.
+                    self.wake.as_mut().and_then(|rx| rx.try_recv().ok())
+                }
             }
         };
         self.wake = None;
