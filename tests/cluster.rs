@@ -591,19 +591,7 @@ async fn polls_that_find_nothing_write_nothing_to_the_log() {
     // Each leader answers from its state once it has applied an entry of its own
     // term, right after its election: from then on a poll visits the 3 partitions
     // without proposing anything.
-    wait_until(
-        Duration::from_secs(10),
-        "an empty poll is answered by all 3 leaders without a log entry",
-        || {
-            let (c, once) = (c.clone(), once.clone());
-            async move {
-                let before = empty().await;
-                assert!(c.activate_jobs(once).await.expect("poll").is_empty());
-                empty().await - before == 3.0
-            }
-        },
-    )
-    .await;
+    wait_leaders_answer_empty_polls(&cluster, &c, "nothing-here", 3.0).await;
     let (empty_before, commands_before) = (empty().await, commands().await);
     for _ in 0..20 {
         assert!(c
@@ -667,4 +655,143 @@ async fn polls_that_find_nothing_write_nothing_to_the_log() {
         .expect("the parked poll was not woken by the new job")
         .expect("join");
     assert_eq!(jobs.iter().map(|j| j.key).collect::<Vec<_>>(), vec![key]);
+}
+
+/// Waits until each leader answers an empty poll of `job_type` from its applied
+/// state (it has applied an entry of its own term), `partitions` answers a poll.
+async fn wait_leaders_answer_empty_polls(
+    cluster: &Cluster,
+    c: &Client,
+    job_type: &str,
+    partitions: f64,
+) {
+    let once = poll(job_type, 1).request_timeout(Duration::ZERO);
+    wait_until(
+        Duration::from_secs(10),
+        "an empty poll is answered by every leader without a log entry",
+        || {
+            let (c, once) = (c.clone(), once.clone());
+            async move {
+                let before = cluster
+                    .broker_metric("courier_broker_empty_activations_total")
+                    .await;
+                assert!(c.activate_jobs(once).await.expect("poll").is_empty());
+                cluster
+                    .broker_metric("courier_broker_empty_activations_total")
+                    .await
+                    - before
+                    == partitions
+            }
+        },
+    )
+    .await;
+}
+
+/// 3 brokers with one partition, its leader answering polls of `job_type` from its
+/// applied state.
+async fn one_partition_cluster(job_type: &str) -> (Cluster, Client) {
+    let cluster = Cluster::start(ClusterOpts {
+        partitions: 1,
+        ..ClusterOpts::default()
+    })
+    .await;
+    let c = cluster.client();
+    wait_leaders_answer_empty_polls(&cluster, &c, job_type, 1.0).await;
+    (cluster, c)
+}
+
+const CLAIMED: &str = "courier_broker_empty_activations_total{reason=\"claimed\"}";
+
+/// Polls that ask for a job while its activation commits leave it to that
+/// activation: of 8 polls sent together for one job, one Activate reaches the log
+/// and the rest are answered by the leader without an entry (before, each that came
+/// while the first was in flight proposed one of its own and committed it in vain).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polls_for_a_job_being_activated_leave_it_to_that_activation() {
+    let _g = serial().await;
+    let (cluster, c) = one_partition_cluster("wanted").await;
+    let commands = || cluster.broker_metric("courier_broker_batch_commands_sum");
+    let claimed_before = cluster.broker_metric(CLAIMED).await;
+    let once = poll("wanted", 1).request_timeout(Duration::ZERO);
+    for round in 0..10 {
+        let key = c
+            .create_job(NewJob::new("wanted"))
+            .await
+            .expect("create")
+            .key;
+        let before = commands().await;
+        let polls: Vec<_> = (0..8)
+            .map(|_| {
+                tokio::spawn({
+                    let (c, once) = (c.clone(), once.clone());
+                    async move { c.activate_jobs(once).await.expect("poll") }
+                })
+            })
+            .collect();
+        let mut got = Vec::new();
+        for p in polls {
+            got.extend(p.await.expect("join").into_iter().map(|j| j.key));
+        }
+        assert_eq!(got, vec![key], "round {round}");
+        assert_eq!(
+            commands().await - before,
+            1.0,
+            "round {round}: more than one Activate was logged for one job"
+        );
+    }
+    eprintln!(
+        "polls answered 'claimed': {}",
+        cluster.broker_metric(CLAIMED).await - claimed_before
+    );
+}
+
+/// Jobs an activation in flight leaves behind are announced when it finishes: a
+/// poll answered "claimed" meanwhile parks, and must get them at once, not at the
+/// end of its request timeout. Here the activation in flight (tenants x and y, one
+/// job) takes y's older job and leaves x's, which a long poll for x was told was
+/// claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_an_activation_in_flight_leaves_goes_to_a_poll_it_deferred() {
+    let _g = serial().await;
+    let (cluster, c) = one_partition_cluster("mixed").await;
+    let claimed_before = cluster.broker_metric(CLAIMED).await;
+    let both = poll("mixed", 1)
+        .tenant_ids(["x", "y"])
+        .request_timeout(Duration::ZERO);
+    let x_only = poll("mixed", 1)
+        .tenant_ids(["x"])
+        .request_timeout(Duration::from_secs(30));
+    for round in 0..20 {
+        let y = c
+            .create_job(NewJob::new("mixed").tenant_id("y"))
+            .await
+            .expect("create")
+            .key;
+        let x = c
+            .create_job(NewJob::new("mixed").tenant_id("x"))
+            .await
+            .expect("create")
+            .key;
+        let first = tokio::spawn({
+            let (c, both) = (c.clone(), both.clone());
+            async move { c.activate_jobs(both).await.expect("poll") }
+        });
+        let second = tokio::spawn({
+            let (c, x_only) = (c.clone(), x_only.clone());
+            async move { c.activate_jobs(x_only).await.expect("poll") }
+        });
+        let first: Vec<i64> = first.await.expect("join").iter().map(|j| j.key).collect();
+        let second: Vec<i64> = tokio::time::timeout(Duration::from_secs(5), second)
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: the poll for x was not woken for its job"))
+            .expect("join")
+            .iter()
+            .map(|j| j.key)
+            .collect();
+        assert_eq!((first, second), (vec![y], vec![x]), "round {round}");
+    }
+    eprintln!(
+        "polls answered 'claimed': {}",
+        cluster.broker_metric(CLAIMED).await - claimed_before
+    );
 }

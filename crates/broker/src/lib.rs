@@ -4,6 +4,7 @@
 //! - [`raft`]: openraft type config and the gRPC network client.
 //! - [`partition`]: a hosted partition: its proposer (group commit), leader timers,
 //!   and the pusher that carries pushed jobs to gateways.
+//! - [`claims`]: activations a leader has in flight, so polls do not propose in vain.
 //! - [`registry`]: the job-stream registry: which gateway streams take which jobs.
 //! - [`service`]: the gRPC services for peer brokers and gateways.
 //! - [`config`]: static cluster configuration and replica placement.
@@ -11,6 +12,7 @@
 //!
 //! [`run`] starts a broker on a listener and stops it when told to.
 
+pub mod claims;
 pub mod config;
 pub mod engine;
 pub mod metrics;

@@ -228,11 +228,15 @@ pub static BACKFILLED: LazyLock<IntCounter> = LazyLock::new(|| {
 });
 
 /// Activate commands answered with no job from the leader's applied state, without
-/// a log entry.
-pub static EMPTY_ACTIVATIONS: LazyLock<IntCounter> = LazyLock::new(|| {
-    register(built(IntCounter::new(
-        "courier_broker_empty_activations_total",
-        "Activate requests answered empty by the leader without a log entry (nothing of the type was activatable)",
+/// a log entry, by reason: `nothing` activatable of the type, or every such job
+/// `claimed` by activations in flight.
+pub static EMPTY_ACTIVATIONS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    register(built(IntCounterVec::new(
+        Opts::new(
+            "courier_broker_empty_activations_total",
+            "Activate requests answered empty by the leader without a log entry, by reason (nothing activatable; all claimed by activations in flight)",
+        ),
+        &["reason"],
     )))
 });
 
@@ -267,7 +271,9 @@ mod tests {
         super::TRY_NEXT.inc();
         super::YIELDS.with_label_values(&["gateway"]).inc();
         super::BACKFILLED.inc();
-        super::EMPTY_ACTIVATIONS.inc();
+        super::EMPTY_ACTIVATIONS
+            .with_label_values(&["claimed"])
+            .inc();
         super::CREATE_TO_PUSH.observe(0.001);
         let names: Vec<String> = prometheus::gather()
             .iter()

@@ -4,6 +4,7 @@
 //! expensive and commands are cheap, so everything that arrives while Raft flushes
 //! the previous entry is drained into one [`Batch`] (see [`ready_to_propose`]).
 
+use crate::claims::{Claims, Outlook};
 use crate::engine::{
     Batch, Effect, FlushSignal, LogCommand, Push, PushOrigin, PushTarget, Recipient,
 };
@@ -95,6 +96,39 @@ fn approx_bytes(cmd: &LogCommand) -> usize {
     }
 }
 
+/// The jobs an Activate in flight may take, claimed from when it is proposed until
+/// its caller has the answer (or goes away). On release, the jobs of its tenants
+/// still activatable are announced: it may have taken fewer than it claimed, and
+/// polls answered "claimed" meanwhile may be parked on them.
+struct ActivationClaim<'a> {
+    partition: &'a Partition,
+    job_type: String,
+    tenants: Vec<String>,
+    max_jobs: u32,
+}
+
+impl Drop for ActivationClaim<'_> {
+    fn drop(&mut self) {
+        let p = self.partition;
+        let mut claims = p.claims.lock().unwrap_or_else(|e| e.into_inner());
+        claims.release(&self.job_type, &self.tenants, self.max_jobs);
+        drop(claims);
+        if !p.is_leader() {
+            return;
+        }
+        let left: Vec<&String> = {
+            let applied = p.shared.read();
+            self.tenants
+                .iter()
+                .filter(|t| applied.state.queued(&self.job_type, t) > 0)
+                .collect()
+        };
+        for t in left {
+            p.announce(self.job_type.clone(), t.clone());
+        }
+    }
+}
+
 /// Notices to gateways, fanned out to every link of this broker.
 pub type Notices = broadcast::Sender<BrokerMessage>;
 
@@ -115,6 +149,8 @@ pub struct Partition {
     /// Yields waiting for the next paced batch: (key, lease, deadline).
     yields: Mutex<Vec<(JobKey, u64, i64)>>,
     yield_wake: Notify,
+    /// Activations proposed and not yet finished (leader-local).
+    claims: Mutex<Claims>,
     shutdown: CancellationToken,
 }
 
@@ -145,6 +181,7 @@ impl Partition {
                 .with_label_values(&[&node_id.to_string(), &id.to_string()]),
             yields: Mutex::new(Vec::new()),
             yield_wake: Notify::new(),
+            claims: Mutex::new(Claims::default()),
             shutdown: shutdown.clone(),
         });
         let span = tracing::info_span!("partition", partition = id.0, node = node_id);
@@ -170,38 +207,79 @@ impl Partition {
             ) => Some((*key, g)),
             _ => None,
         };
-        if let Command::Activate { props, .. } = &cmd {
-            if self.nothing_to_activate(props) {
-                metrics::EMPTY_ACTIVATIONS.inc();
-                return Ok(Reply::Activated(Vec::new()));
+        let _claim = match &cmd {
+            Command::Activate { props, max_jobs } => {
+                match self.claim_activation(props, *max_jobs) {
+                    Ok(claim) => Some(claim),
+                    Err(reason) => {
+                        metrics::EMPTY_ACTIVATIONS
+                            .with_label_values(&[reason])
+                            .inc();
+                        return Ok(Reply::Activated(Vec::new()));
+                    }
+                }
             }
-        }
+            _ => None,
+        };
         let push = self.push_targets(&cmd);
         self.propose_from(LogCommand::Client { cmd, push }, ends_from)
             .await
     }
 
-    /// Whether an Activate would certainly activate nothing, so it needs no log
-    /// entry (and no commit): this replica leads, it has applied an entry of its own
-    /// term (so every entry of earlier leaders too), and its applied state has no
-    /// activatable job of the type for these tenants. A job that becomes activatable
-    /// later does so through an entry this leader proposes, whose application sends
-    /// the gateways a "jobs available" notice; the gateway subscribed to those before
-    /// it asked, so the poll it parks is woken. Without this, every parked poll woken
-    /// by a notice wrote an empty entry to each partition it visited.
-    fn nothing_to_activate(&self, props: &ActivationProps) -> bool {
+    /// Claims the jobs an Activate may take before it is proposed, or says why it
+    /// would certainly take none, so it needs no log entry (and no commit):
+    /// - `nothing`: no job of the type is activatable for these tenants;
+    /// - `claimed`: activations in flight want every such job (pollers that ask
+    ///   while a job's activation is still committing would each propose one).
+    ///
+    /// Both only where this replica leads and has applied an entry of its own term
+    /// (so every entry of earlier leaders too). A job that becomes activatable later
+    /// does so through an entry this leader proposes, whose application sends the
+    /// gateways a "jobs available" notice, and jobs an activation in flight leaves
+    /// are announced when it finishes ([`ActivationClaim`]); the gateway subscribed
+    /// to those notices before it asked, so the poll it parks is woken.
+    fn claim_activation(
+        &self,
+        props: &ActivationProps,
+        max_jobs: u32,
+    ) -> Result<ActivationClaim<'_>, &'static str> {
         let metrics = self.raft.metrics();
         let m = metrics.borrow();
         let caught_up = m.state == ServerState::Leader
             && m.last_applied
                 .is_some_and(|applied| applied.leader_id.term == m.current_term);
         drop(m);
-        caught_up
-            && !self
-                .shared
-                .read()
-                .state
-                .has_activatable(&props.job_type, &props.tenant_ids)
+        let mut claims = self.claims.lock().unwrap_or_else(|e| e.into_inner());
+        if caught_up {
+            let applied = self.shared.read();
+            let outlook = claims.outlook(&props.job_type, &props.tenant_ids, |t| {
+                applied.state.queued(&props.job_type, t)
+            });
+            match outlook {
+                Outlook::Nothing => return Err("nothing"),
+                Outlook::Claimed => return Err("claimed"),
+                Outlook::Jobs => {}
+            }
+        }
+        claims.add(&props.job_type, &props.tenant_ids, max_jobs);
+        Ok(ActivationClaim {
+            partition: self,
+            job_type: props.job_type.clone(),
+            tenants: props.tenant_ids.clone(),
+            max_jobs,
+        })
+    }
+
+    /// Tells the gateways jobs of this type and tenant are activatable here.
+    fn announce(&self, job_type: String, tenant_id: String) {
+        // No receiver (no gateway linked) is fine.
+        let _ = self.notices.send(BrokerMessage {
+            kind: Some(broker_message::Kind::JobsAvailable(JobsAvailable {
+                r#type: job_type,
+                partition_id: self.id.0,
+                tenant_id,
+            })),
+        });
     }
 
     /// The streams that may take the jobs this command makes runnable: decided here,
@@ -568,16 +646,7 @@ fn carry_out(
             Effect::JobsAvailable {
                 job_type,
                 tenant_id,
-            } => {
-                // No receiver (no gateway linked) is fine.
-                let _ = p.notices.send(BrokerMessage {
-                    kind: Some(broker_message::Kind::JobsAvailable(JobsAvailable {
-                        r#type: job_type,
-                        partition_id: p.id.0,
-                        tenant_id,
-                    })),
-                });
-            }
+            } => p.announce(job_type, tenant_id),
             Effect::Push(push) => {
                 if push.origin == PushOrigin::Backfill {
                     metrics::BACKFILLED.inc();

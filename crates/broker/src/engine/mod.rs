@@ -711,22 +711,16 @@ impl State {
         }
     }
 
-    /// Whether jobs of this type are waiting for any of these tenants.
     /// How many jobs of this type and these tenants are activatable.
     pub fn activatable_count(&self, job_type: &str, tenants: &[String]) -> usize {
-        tenants
-            .iter()
-            .filter_map(|t| self.queues.get(&(job_type.to_string(), t.clone())))
-            .map(BTreeMap::len)
-            .sum()
+        tenants.iter().map(|t| self.queued(job_type, t)).sum()
     }
 
-    pub fn has_activatable(&self, job_type: &str, tenants: &[String]) -> bool {
-        tenants.iter().any(|t| {
-            self.queues
-                .get(&(job_type.to_string(), t.clone()))
-                .is_some_and(|q| !q.is_empty())
-        })
+    /// How many jobs of `job_type` for `tenant` are activatable.
+    pub fn queued(&self, job_type: &str, tenant: &str) -> usize {
+        self.queues
+            .get(&(job_type.to_string(), tenant.to_string()))
+            .map_or(0, BTreeMap::len)
     }
 
     fn remove(&mut self, key: JobKey, changes: &mut Changes) {

@@ -884,7 +884,7 @@ fn backfill_pushes_the_oldest_backlog_up_to_its_bound() {
     let b = create(&mut s, "a");
     let c = create(&mut s, "a");
     create(&mut s, "b");
-    assert!(s.has_activatable("a", &[DEFAULT_TENANT.to_string()]));
+    assert_eq!(s.queued("a", DEFAULT_TENANT), 3);
     let (reply, effects, changes) = run_log(
         &mut s,
         T0 + 9,
@@ -906,7 +906,7 @@ fn backfill_pushes_the_oldest_backlog_up_to_its_bound() {
         },
     );
     assert_eq!(pushes(&effects), vec![(c, 3)]);
-    assert!(!s.has_activatable("a", &[DEFAULT_TENANT.to_string()]));
+    assert_eq!(s.queued("a", DEFAULT_TENANT), 0);
 }
 
 /// The proposer's flush signal rides in memory only: an entry with one is written
