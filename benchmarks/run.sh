@@ -11,10 +11,11 @@ export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 DURATION=10; WARMUP=2; FLOW=20; BURST=50000; MODES=(fsync replicated); QUICK=
 # The push-against-polling rows at 1,000 jobs/s run longer: their p99 is the figure
 # compared, and over 10 s it is the worst 100 jobs, which one 0.1 s stall of this
-# shared machine decides on its own. 30 s takes a stall three times as long.
-RATE_DURATION=30
+# shared machine decides on its own. 30 s takes a stall three times as long, and
+# they run in alternating segments (see rated) so a stall falls on both arms alike.
+RATE_DURATION=30; RATE_SEGMENTS=3
 # --quick: the 3-broker cluster in fsync mode only, short rows and scenarios.
-if [[ "${1:-}" == "--quick" ]]; then DURATION=2; WARMUP=1; FLOW=4; BURST=2000; MODES=(fsync); QUICK=1; RATE_DURATION=2; fi
+if [[ "${1:-}" == "--quick" ]]; then DURATION=2; WARMUP=1; FLOW=4; BURST=2000; MODES=(fsync); QUICK=1; RATE_DURATION=2; RATE_SEGMENTS=2; fi
 
 cargo build --release -p courier-cli -p courier-bench
 BIN=target/release
@@ -65,15 +66,13 @@ RATIOS=()
 col() { echo "$1" | awk -F'|' -v c="$2" '{gsub(/ /,"",$c); print $c}'; }
 e2e() { # label address
   local e=(with_cpu "${PIDS[*]}" "$BIN/courier-bench" e2e --address "$2" --label "$1" --duration "$DURATION" --warmup "$WARMUP")
-  local r=(with_cpu "${PIDS[*]}" "$BIN/courier-bench" e2e --address "$2" --label "$1" --duration "$RATE_DURATION" --warmup "$WARMUP")
   local commit push1 poll1 pushr pollr pusht pollt
   commit=$(with_cpu "${PIDS[*]}" "$BIN/courier-bench" create --address "$2" --label "$1" --concurrency 1 --duration "$DURATION" --warmup "$WARMUP")
   # Arms alternate (push, poll, then poll, push, then push, poll) so a drift in
   # machine speed does not favour one side.
   push1=$("${e[@]}" --mode push)
   poll1=$("${e[@]}" --mode poll)
-  pollr=$("${r[@]}" --mode poll --workers 8 --rate 1000)
-  pushr=$("${r[@]}" --mode push --workers 8 --rate 1000)
+  rated "$1" "$2"
   # The full lifecycle's throughput: closed loop, 256 jobs between create and handler.
   E2E+=("$(echo "$commit" | sed 's/closed loop x1/create acknowledged (one commit), 1 at a time/')" "$push1" "$poll1" "$pushr" "$pollr")
   if [[ -z $QUICK ]]; then
@@ -82,6 +81,27 @@ e2e() { # label address
     E2E+=("$pusht" "$pollt")
   fi
   RATIOS+=("| $1 | $(awk -v a="$(col "$push1" 4)" -v b="$(col "$commit" 4)" 'BEGIN{printf "%.2f", a/b}') | $(awk -v a="$(col "$poll1" 4)" -v b="$(col "$push1" 4)" 'BEGIN{printf "%.2f", a/b}') | $(awk -v a="$(col "$pollr" 6)" -v b="$(col "$pushr" 6)" 'BEGIN{printf "%.2f", a/b}') |")
+}
+
+# Push and poll at 1,000 jobs/s: RATE_SEGMENTS segments of each, alternating
+# (push, poll, then poll, push, ...), merged into one row per arm, so a stall of the
+# machine falls on both arms alike instead of deciding one arm's p99. CPU: the mean
+# of the segments'. Sets pushr and pollr.
+rated() { # label address
+  local seg=$((RATE_DURATION / RATE_SEGMENTS)) i m row
+  local -A cpu=([push]=0 [poll]=0) files=([push]="" [poll]="")
+  for i in $(seq 1 "$RATE_SEGMENTS"); do
+    for m in $( ((i % 2)) && echo push poll || echo poll push); do
+      row=$(with_cpu "${PIDS[*]}" "$BIN/courier-bench" e2e --address "$2" --label "$1" --mode "$m" \
+        --workers 8 --rate 1000 --duration "$seg" --warmup "$WARMUP" --histogram-out "$WORK/$m-$i.hist")
+      cpu[$m]=$(awk -v a="${cpu[$m]}" -v b="$(col "$row" 11)" 'BEGIN{print a+b}')
+      files[$m]="${files[$m]} $WORK/$m-$i.hist"
+    done
+  done
+  # shellcheck disable=SC2086
+  pushr="$("$BIN/courier-bench" merge --label "$1" ${files[push]}) $(awk -v c="${cpu[push]}" -v n="$RATE_SEGMENTS" 'BEGIN{printf "%.2f", c/n}') |"
+  # shellcheck disable=SC2086
+  pollr="$("$BIN/courier-bench" merge --label "$1" ${files[poll]}) $(awk -v c="${cpu[poll]}" -v n="$RATE_SEGMENTS" 'BEGIN{printf "%.2f", c/n}') |"
 }
 
 start_dev() { # durability [data-dir tag: a fresh process per tag] [more dev options...]
@@ -203,7 +223,8 @@ done
   echo "Produced by \`bash benchmarks/run.sh${1:+ $1}\` on $(date -u +%Y-%m-%d) ($(nproc) cores, $(free -g | awk '/Mem/{print $2}') GiB;"
   echo "$FSYNC). Release build, everything on loopback on one machine; the load"
   echo "generator shares the 2 cores with the cluster. Each row: ${DURATION} s measured after ${WARMUP} s warm-up"
-  echo "(the push and poll rows at 1,000 jobs/s: ${RATE_DURATION} s, so one stall of the machine cannot decide their p99)."
+  echo "(the push and poll rows at 1,000 jobs/s: ${RATE_DURATION} s each, in ${RATE_SEGMENTS} segments that alternate between push"
+  echo "and poll, merged with \`courier-bench merge\`, so one stall of the machine cannot decide their p99)."
   echo
   echo "## Create latency (request sent -> acknowledged: committed by a majority, applied)"
   echo

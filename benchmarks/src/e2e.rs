@@ -47,6 +47,9 @@ pub struct E2eArgs {
     /// its creation time (µs since the epoch), to line stalls up with broker logs.
     #[arg(long)]
     pub print_slower_than_ms: Option<u64>,
+    /// Also save the measured latencies to this file, for `merge`.
+    #[arg(long)]
+    pub histogram_out: Option<std::path::PathBuf>,
 }
 
 async fn push_worker(
@@ -206,14 +209,15 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
     for worker in workers {
         worker.abort();
     }
-    crate::report(
-        &a.label,
-        &format!("{:?} {load}", a.mode).to_lowercase(),
-        &Outcome {
-            latency: h,
-            errors,
-            elapsed: Duration::from_secs(a.duration),
-        },
-    );
+    let load = format!("{:?} {load}", a.mode).to_lowercase();
+    let outcome = Outcome {
+        latency: h,
+        errors,
+        elapsed: Duration::from_secs(a.duration),
+    };
+    crate::report(&a.label, &load, &outcome);
+    if let Some(path) = &a.histogram_out {
+        crate::merge::save(path, &load, &outcome)?;
+    }
     Ok(())
 }

@@ -17,6 +17,7 @@ mod drive;
 mod e2e;
 mod flow;
 mod jetstream;
+mod merge;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -42,6 +43,8 @@ enum Cmd {
     Flow(flow::FlowArgs),
     /// The peer: NATS JetStream create-to-handler (or publish) latency, as `e2e`.
     Jetstream(jetstream::JetStreamArgs),
+    /// One row from segments saved by `e2e --histogram-out`.
+    Merge(merge::MergeArgs),
     /// fdatasync latency of the disk holding DIR.
     FsyncProbe {
         #[arg(long, default_value = ".")]
@@ -264,6 +267,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::E2e(a) => e2e::run(a).await,
         Cmd::Flow(a) => flow::run(a).await,
         Cmd::Jetstream(a) => jetstream::run(a).await,
+        Cmd::Merge(a) => merge::run(a),
         Cmd::FsyncProbe { dir, samples } => fsync_probe(&dir, samples),
     }
 }
