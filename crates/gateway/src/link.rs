@@ -16,7 +16,7 @@ use courier_proto::cluster::{
     broker_client::BrokerClient, broker_message, gateway_message, BrokerMessage, GatewayHello,
     GatewayMessage, PushJob,
 };
-use courier_proto::domain::NodeId;
+use courier_proto::domain::{NodeId, PartitionId};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -203,7 +203,8 @@ impl BrokerLink {
                     partition = j.partition_id,
                     "jobs available"
                 );
-                self.queue.notify(&j.r#type, &j.tenant_id);
+                let partition = (j.partition_id > 0).then_some(PartitionId(j.partition_id));
+                self.queue.notify(&j.r#type, &j.tenant_id, partition);
                 None
             }
             Some(broker_message::Kind::Push(p)) => Self::push(node, p, link),

@@ -10,10 +10,12 @@
 //! parks and wants the tenant looks again at once instead: a request subscribes
 //! before it visits the partitions, so a notice during the visit is not lost.
 //! `notify_all` (a broker link came back, its notices may be lost) wakes every
-//! request of every type, parked or visiting.
+//! request of every type, parked or visiting. A woken request learns which
+//! partition the notice came from, and visits that one first.
 
 use crate::metrics;
-use std::collections::{HashMap, HashSet, VecDeque};
+use courier_proto::domain::PartitionId;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::oneshot;
@@ -36,8 +38,9 @@ pub struct LongPollQueue {
 struct TypeWaiters {
     /// Parked, oldest first.
     parked: VecDeque<ParkedWaiter>,
-    /// Tenants announced while no parked waiter wanted them.
-    pending: HashSet<String>,
+    /// Tenants announced while no parked waiter wanted them, with the partition of
+    /// the latest such notice.
+    pending: HashMap<String, Option<PartitionId>>,
     /// Bumped by `notify_all`: a waiter that has not seen the current value looks
     /// again at once.
     epoch: u64,
@@ -48,30 +51,39 @@ struct TypeWaiters {
 struct ParkedWaiter {
     id: u64,
     tenants: Arc<[String]>,
-    /// Told the tenant of the notice that gives the waiter its turn.
-    wake: oneshot::Sender<String>,
+    /// Told the notice that gives the waiter its turn.
+    wake: oneshot::Sender<Notice>,
+}
+
+/// What a turn comes with: the tenant whose jobs became available (empty: any) and
+/// the partition they are on, where known.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Notice {
+    tenant: String,
+    partition: Option<PartitionId>,
 }
 
 impl TypeWaiters {
-    /// Gives the turn to the oldest parked waiter that wants `tenant` (any, when
-    /// empty), else keeps the notice for the next one to park.
-    fn notify(&mut self, tenant: &str) {
+    /// Gives the turn to the oldest parked waiter that wants the notice's tenant
+    /// (any, when empty), else keeps the notice for the next one to park.
+    fn notify(&mut self, mut notice: Notice) {
         while let Some(pos) = self
             .parked
             .iter()
-            .position(|w| tenant.is_empty() || w.tenants.iter().any(|t| t == tenant))
+            .position(|w| notice.tenant.is_empty() || w.tenants.contains(&notice.tenant))
         {
             if let Some(w) = self.parked.remove(pos) {
                 // A waiter whose request went away takes nothing: try the next.
-                if w.wake.send(tenant.to_string()).is_ok() {
-                    return;
+                match w.wake.send(notice) {
+                    Ok(()) => return,
+                    Err(back) => notice = back,
                 }
             }
         }
-        if tenant.is_empty() {
+        if notice.tenant.is_empty() {
             self.epoch = self.epoch.wrapping_add(1);
         } else {
-            self.pending.insert(tenant.to_string());
+            self.pending.insert(notice.tenant, notice.partition);
         }
     }
 
@@ -109,11 +121,14 @@ impl LongPollQueue {
         }
     }
 
-    /// Jobs of `job_type` and `tenant` (any tenant, when empty) became available:
-    /// wakes the oldest parked waiter that wants them.
-    pub fn notify(&self, job_type: &str, tenant: &str) {
+    /// Jobs of `job_type` and `tenant` (any tenant, when empty) became available on
+    /// `partition`: wakes the oldest parked waiter that wants them.
+    pub fn notify(&self, job_type: &str, tenant: &str, partition: Option<PartitionId>) {
         if let Some(t) = self.lock().get_mut(job_type) {
-            t.notify(tenant);
+            t.notify(Notice {
+                tenant: tenant.to_string(),
+                partition,
+            });
         }
     }
 
@@ -123,7 +138,7 @@ impl LongPollQueue {
         for t in self.lock().values_mut() {
             t.epoch = t.epoch.wrapping_add(1);
             for w in t.parked.drain(..) {
-                let _ = w.wake.send(String::new());
+                let _ = w.wake.send(Notice::default());
             }
         }
     }
@@ -152,10 +167,10 @@ pub struct Waiter {
     id: u64,
     epoch_seen: u64,
     /// While parked: where the turn arrives.
-    wake: Option<oneshot::Receiver<String>>,
-    /// The tenant of a notice this waiter was woken for and has not looked at yet
-    /// (`Some("")`: any tenant): passed on if the request goes away first.
-    unserved: Option<String>,
+    wake: Option<oneshot::Receiver<Notice>>,
+    /// The notice this waiter was woken for and has not looked at yet (an empty
+    /// tenant: any): passed on if the request goes away first.
+    unserved: Option<Notice>,
 }
 
 impl Waiter {
@@ -173,10 +188,10 @@ impl Waiter {
                 self.epoch_seen = t.epoch;
                 return true;
             }
-            if let Some(tenant) = self.tenants.iter().find(|x| t.pending.contains(*x)) {
+            if let Some(tenant) = self.tenants.iter().find(|x| t.pending.contains_key(*x)) {
                 let tenant = tenant.clone();
-                t.pending.remove(&tenant);
-                self.unserved = Some(tenant);
+                let partition = t.pending.remove(&tenant).flatten();
+                self.unserved = Some(Notice { tenant, partition });
                 return true;
             }
             t.parked.push_back(ParkedWaiter {
@@ -211,16 +226,22 @@ impl Waiter {
         };
         self.wake = None;
         match woken {
-            Some(tenant) => {
+            Some(notice) => {
                 let mut types = self.queue.lock();
                 if let Some(t) = types.get_mut(&self.job_type) {
                     self.epoch_seen = t.epoch;
                 }
-                self.unserved = Some(tenant);
+                self.unserved = Some(notice);
                 true
             }
             None => false,
         }
+    }
+
+    /// The partition the notice that woke this waiter came from, if known and not
+    /// visited since: the one to look at first.
+    pub fn partition_hint(&self) -> Option<PartitionId> {
+        self.unserved.as_ref().and_then(|n| n.partition)
     }
 
     /// The request has looked at the partitions since it was woken: the notice is
@@ -235,7 +256,10 @@ impl Waiter {
         let mut types = self.queue.lock();
         if let Some(t) = types.get_mut(&self.job_type) {
             for tenant in self.tenants.iter() {
-                t.notify(tenant);
+                t.notify(Notice {
+                    tenant: tenant.clone(),
+                    partition: None,
+                });
             }
         }
     }
@@ -250,8 +274,8 @@ impl Drop for Waiter {
         t.remove_parked(self.id);
         // Woken (or chosen while going away) and never looked: the next one looks.
         let chosen = self.wake.take().and_then(|mut rx| rx.try_recv().ok());
-        if let Some(tenant) = chosen.or(self.unserved.take()) {
-            t.notify(&tenant);
+        if let Some(notice) = chosen.or(self.unserved.take()) {
+            t.notify(notice);
         }
         t.waiters = t.waiters.saturating_sub(1);
         if t.waiters == 0 {
@@ -319,7 +343,7 @@ mod tests {
         let b = park(q.subscribe("b", &tenants(&[T])), secs(10));
         settle().await;
         assert_eq!(q.parked(), 4);
-        q.notify("a", T);
+        q.notify("a", T, None);
         let (woken, _a1) = a1.await.unwrap();
         assert!(woken, "the oldest waiter for the type and tenant is woken");
         settle().await;
@@ -354,7 +378,7 @@ mod tests {
             settle().await;
         }
         for _ in 0..7 {
-            q.notify("t", T);
+            q.notify("t", T, None);
             settle().await;
         }
         assert_eq!(
@@ -372,7 +396,7 @@ mod tests {
         let token = CancellationToken::new();
         let mut w = q.subscribe("t", &tenants(&[T]));
         // Arrives while the request is still visiting partitions.
-        q.notify("t", T);
+        q.notify("t", T, None);
         let start = Instant::now();
         assert!(w.wait(secs(10), &token).await);
         assert_eq!(start.elapsed(), Duration::ZERO);
@@ -380,7 +404,7 @@ mod tests {
         // Served now: the next wait parks again.
         assert!(!w.wait(secs(10), &token).await);
         // A notice for a tenant it does not want is not its.
-        q.notify("t", "x");
+        q.notify("t", "x", None);
         assert!(!w.wait(secs(20), &token).await);
     }
 
@@ -391,7 +415,7 @@ mod tests {
         settle().await;
         let second = park(q.subscribe("t", &tenants(&[T])), secs(10));
         settle().await;
-        q.notify("t", T);
+        q.notify("t", T, None);
         let (woken, w) = first.await.unwrap();
         assert!(woken);
         // Its request ends (the client went away) before it visited the partitions.
@@ -410,7 +434,7 @@ mod tests {
         settle().await;
         gone.abort();
         let _ = gone.await;
-        q.notify("t", T);
+        q.notify("t", T, None);
         let start = Instant::now();
         assert!(next.await.unwrap().0);
         assert_eq!(start.elapsed(), Duration::ZERO);
@@ -431,17 +455,53 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_woken_waiter_knows_the_partition_of_its_notice_until_it_looks() {
+        let q = LongPollQueue::new();
+        let token = CancellationToken::new();
+        let p2 = Some(PartitionId(2));
+        let first = park(q.subscribe("t", &tenants(&[T])), secs(10));
+        settle().await;
+        let second = park(q.subscribe("t", &tenants(&[T])), secs(10));
+        settle().await;
+        q.notify("t", T, p2);
+        let (woken, mut w) = first.await.unwrap();
+        assert!(woken);
+        assert_eq!(w.partition_hint(), p2);
+        // Gone before looking: the next waiter gets the turn, and the partition.
+        drop(w);
+        let (woken, mut w) = second.await.unwrap();
+        assert!(woken);
+        assert_eq!(w.partition_hint(), p2);
+        w.visited();
+        assert_eq!(w.partition_hint(), None, "served");
+        // A notice kept while nobody was parked keeps its partition too.
+        q.notify("t", T, Some(PartitionId(3)));
+        assert!(w.wait(secs(10), &token).await);
+        assert_eq!(w.partition_hint(), Some(PartitionId(3)));
+        w.visited();
+        // notify_all and a full batch's pass-on say no partition.
+        q.notify_all();
+        assert!(w.wait(secs(10), &token).await);
+        assert_eq!(w.partition_hint(), None);
+        w.visited();
+        let other = q.subscribe("t", &tenants(&[T]));
+        other.pass_on();
+        assert!(w.wait(secs(10), &token).await);
+        assert_eq!(w.partition_hint(), None);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn an_empty_tenant_means_any() {
         let q = LongPollQueue::new();
         let x = park(q.subscribe("t", &tenants(&["x"])), secs(10));
         settle().await;
-        q.notify("t", "");
+        q.notify("t", "", None);
         assert!(x.await.unwrap().0);
         // Nobody parked: every waiter of the type looks again.
         let token = CancellationToken::new();
         let mut a = q.subscribe("t", &tenants(&["a"]));
         let mut b = q.subscribe("t", &tenants(&["b"]));
-        q.notify("t", "");
+        q.notify("t", "", None);
         assert!(a.wait(secs(10), &token).await);
         assert!(b.wait(secs(10), &token).await);
     }
@@ -492,7 +552,7 @@ mod tests {
         drop(w3);
         assert_eq!(q.types_watched(), 0);
         // A notice for a type nobody waits for creates nothing.
-        q.notify("t", T);
+        q.notify("t", T, None);
         assert_eq!(q.types_watched(), 0);
     }
 

@@ -3,7 +3,7 @@
 //! request, route it, convert the reply.
 
 use crate::error::GatewayError;
-use crate::long_poll::LongPollQueue;
+use crate::long_poll::{LongPollQueue, Waiter};
 use crate::metrics::{self, RequestObserver};
 use crate::router::{instant_after, request_deadline, Router};
 use crate::streams::{AggregatedStreams, MAX_CLIENT_CREDIT};
@@ -51,10 +51,24 @@ pub struct RoundRobin(AtomicU32);
 impl RoundRobin {
     /// Partitions `1..=count`, each once, starting one further than the last call.
     pub fn order(&self, count: u32) -> impl Iterator<Item = PartitionId> {
+        self.order_from(None, count)
+    }
+
+    /// As [`RoundRobin::order`], but `first` (where it is one of them) comes first.
+    pub fn order_from(
+        &self,
+        first: Option<PartitionId>,
+        count: u32,
+    ) -> impl Iterator<Item = PartitionId> {
         let start = self.0.fetch_add(1, Ordering::Relaxed);
         // `% count` before adding, so the counter wrapping around never repeats one.
-        let first = start.checked_rem(count).unwrap_or(0);
-        (0..count).map(move |i| PartitionId((first + i) % count + 1))
+        let rotated = start.checked_rem(count).unwrap_or(0);
+        let first = first.filter(|p| (1..=count).contains(&p.0));
+        first.into_iter().chain(
+            (0..count)
+                .map(move |i| PartitionId((rotated + i) % count + 1))
+                .filter(move |p| Some(*p) != first),
+        )
     }
 }
 
@@ -167,7 +181,9 @@ impl Shared {
         // Subscribed before the first visit: a notice during the visit is not lost.
         let mut waiter = poll_end.map(|_| self.queue.subscribe(&props.job_type, &props.tenant_ids));
         loop {
-            let jobs = self.visit(&props, max, deadline).await?;
+            // Woken by a notice: its partition first.
+            let first = waiter.as_ref().and_then(Waiter::partition_hint);
+            let jobs = self.visit(&props, max, deadline, first).await?;
             if let Some(w) = waiter.as_mut() {
                 w.visited();
                 // A full batch may have left more: the next parked request looks.
@@ -191,15 +207,18 @@ impl Shared {
         }
     }
 
-    /// One pass over the partitions, from a rotating start, until `max` jobs.
+    /// One pass over the partitions, from `first` or else a rotating start, until
+    /// `max` jobs, or until `first` gave some.
     async fn visit(
         &self,
         props: &ActivationProps,
         max: u32,
         deadline: Instant,
+        first: Option<PartitionId>,
     ) -> Result<Vec<ActivatedJob>, GatewayError> {
         let mut jobs: Vec<ActivatedJob> = Vec::new();
-        for partition in self.activate_start.order(self.topology.partitions_count()) {
+        let count = self.topology.partitions_count();
+        for partition in self.activate_start.order_from(first, count) {
             let remaining = max.saturating_sub(u32::try_from(jobs.len()).unwrap_or(u32::MAX));
             if remaining == 0 {
                 break;
@@ -214,7 +233,15 @@ impl Shared {
                 .execute_until(partition, &request, retry_until, deadline)
                 .await
             {
-                Ok(Reply::Activated(batch)) => jobs.extend(batch),
+                Ok(Reply::Activated(batch)) => {
+                    jobs.extend(batch);
+                    // Woken for jobs there and given some: answer now rather than
+                    // after visiting the rest. Their jobs have notices of their own,
+                    // which wake the next parked request.
+                    if first == Some(partition) && !jobs.is_empty() {
+                        break;
+                    }
+                }
                 Ok(other) => {
                     tracing::warn!(%partition, reply = reply_kind(&other), "unexpected reply to Activate")
                 }
@@ -745,6 +772,24 @@ mod tests {
             v.sort();
             assert_eq!(v, vec![1, 2, 3]);
         }
+    }
+
+    #[test]
+    fn the_partition_a_notice_came_from_is_visited_first() {
+        let rr = RoundRobin::default();
+        let from = |p: Option<u32>, count| -> Vec<u32> {
+            rr.order_from(p.map(PartitionId), count)
+                .map(|p| p.0)
+                .collect()
+        };
+        assert_eq!(from(Some(2), 3), vec![2, 1, 3]);
+        assert_eq!(from(Some(2), 3), vec![2, 3, 1]);
+        assert_eq!(from(Some(3), 3), vec![3, 1, 2]);
+        // One the cluster does not have (a stale notice) is no hint.
+        assert_eq!(from(Some(4), 3), vec![1, 2, 3]);
+        assert_eq!(from(Some(0), 3), vec![2, 3, 1]);
+        assert_eq!(from(None, 3), vec![3, 1, 2]);
+        assert_eq!(from(Some(1), 0), Vec::<u32>::new());
     }
 
     #[test]
