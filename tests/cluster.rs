@@ -795,3 +795,48 @@ async fn a_job_an_activation_in_flight_leaves_goes_to_a_poll_it_deferred() {
         cluster.broker_metric(CLAIMED).await - claimed_before
     );
 }
+
+/// A parked poll woken by a notice visits the partition the notice came from
+/// first, and answers with the job it found there without visiting the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_woken_poll_takes_its_job_from_the_notices_partition_alone() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    wait_leaders_answer_empty_polls(&cluster, &c, "hinted", 3.0).await;
+    let empty = || cluster.broker_metric("courier_broker_empty_activations_total");
+    let parked = || cluster.gateway_metric(0, "courier_gateway_long_poll_parked");
+    // Jobs are created round-robin: the rounds cover every partition.
+    for round in 0..6 {
+        let before = empty().await;
+        let poll = tokio::spawn({
+            let c = c.clone();
+            async move {
+                c.activate_jobs(poll("hinted", 32).request_timeout(Duration::from_secs(20)))
+                    .await
+                    .expect("long poll")
+            }
+        });
+        wait_until(Duration::from_secs(10), "the poll is parked", || async {
+            parked().await == 1.0
+        })
+        .await;
+        let parked_at = empty().await;
+        assert_eq!(parked_at - before, 3.0, "round {round}: its first visit");
+        let key = c
+            .create_job(NewJob::new("hinted"))
+            .await
+            .expect("create")
+            .key;
+        let jobs = tokio::time::timeout(Duration::from_secs(5), poll)
+            .await
+            .expect("the parked poll was not woken")
+            .expect("join");
+        assert_eq!(jobs.iter().map(|j| j.key).collect::<Vec<_>>(), vec![key]);
+        assert_eq!(
+            empty().await,
+            parked_at,
+            "round {round}: the woken poll visited partitions without the job"
+        );
+    }
+}
