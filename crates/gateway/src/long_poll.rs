@@ -464,7 +464,7 @@ mod tests {
         let second = park(q.subscribe("t", &tenants(&[T])), secs(10));
         settle().await;
         q.notify("t", T, p2);
-        let (woken, mut w) = first.await.unwrap();
+        let (woken, w) = first.await.unwrap();
         assert!(woken);
         assert_eq!(w.partition_hint(), p2);
         // Gone before looking: the next waiter gets the turn, and the partition.
