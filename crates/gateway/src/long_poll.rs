@@ -39,7 +39,7 @@ struct TypeWaiters {
     /// Parked, oldest first.
     parked: VecDeque<ParkedWaiter>,
     /// Tenants announced while no parked waiter wanted them, with the partition of
-    /// the latest such notice.
+    /// those notices (None: several, or unknown).
     pending: HashMap<String, Option<PartitionId>>,
     /// Bumped by `notify_all`: a waiter that has not seen the current value looks
     /// again at once.
@@ -83,7 +83,16 @@ impl TypeWaiters {
         if notice.tenant.is_empty() {
             self.epoch = self.epoch.wrapping_add(1);
         } else {
-            self.pending.insert(notice.tenant, notice.partition);
+            // Kept notices of one tenant from different partitions say no one
+            // partition: the waiter that takes them visits them all.
+            self.pending
+                .entry(notice.tenant)
+                .and_modify(|p| {
+                    if *p != notice.partition {
+                        *p = None;
+                    }
+                })
+                .or_insert(notice.partition);
         }
     }
 
@@ -476,8 +485,16 @@ mod tests {
         assert_eq!(w.partition_hint(), None, "served");
         // A notice kept while nobody was parked keeps its partition too.
         q.notify("t", T, Some(PartitionId(3)));
+        q.notify("t", T, Some(PartitionId(3)));
         assert!(w.wait(secs(10), &token).await);
         assert_eq!(w.partition_hint(), Some(PartitionId(3)));
+        w.visited();
+        // Kept notices from two partitions: no one partition, so every one is visited
+        // (answering with the first's jobs alone would leave the other's unannounced).
+        q.notify("t", T, Some(PartitionId(3)));
+        q.notify("t", T, Some(PartitionId(1)));
+        assert!(w.wait(secs(10), &token).await);
+        assert_eq!(w.partition_hint(), None);
         w.visited();
         // notify_all and a full batch's pass-on say no partition.
         q.notify_all();
