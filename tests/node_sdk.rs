@@ -1,8 +1,10 @@
-//! Compatibility with a real Zeebe client: the Node.js `@camunda8/sdk` streaming job
-//! worker (npm package installed into tests/compat by `npm ci --prefix tests/compat`)
+//! Compatibility with a real Zeebe client: the Node.js `@camunda8/sdk` job workers
+//! (npm package installed into tests/compat by `npm ci --prefix tests/compat`)
 //! against a Courier cluster of real processes. tests/compat/stream-worker.mjs opens
 //! the SDK's `streamJobs` worker; every job created through Courier must reach it by
-//! push over `StreamActivatedJobs` and be completed by it.
+//! push over `StreamActivatedJobs` and be completed by it. tests/compat/poll-worker.mjs
+//! runs the SDK's `createWorker`, which long-polls `ActivateJobs`: every job must
+//! reach it that way.
 //!
 //! Habits of the SDK (8.8.13) this depends on: it gzips every request message (its
 //! gRPC channels set `grpc.default_compression_algorithm` = gzip, and a channel only
@@ -44,20 +46,25 @@ fn require_node_and_sdk() {
     );
 }
 
-/// The node worker: tests/compat/stream-worker.mjs against the cluster's gateway.
-fn start_node_worker(cluster: &Cluster) -> ClientProc {
-    let script = compat_dir().join("stream-worker.mjs");
+/// A node worker, tests/compat/`script`, against the cluster's gateway, giving up
+/// after `timeout_ms`.
+fn start_node_worker(
+    cluster: &Cluster,
+    script: &str,
+    job_type: &str,
+    timeout_ms: u32,
+) -> ClientProc {
+    let path = compat_dir().join(script);
     ClientProc::spawn(
         Path::new("node"),
         &[
-            script.to_str().expect("utf-8 path"),
+            path.to_str().expect("utf-8 path"),
             &cluster.gateway_addr,
-            JOB_TYPE,
+            job_type,
             &JOBS.to_string(),
-            // The script's own deadline, within the test's 60 s.
-            "50000",
+            &timeout_ms.to_string(),
         ],
-        cluster.dir.path().join("node-sdk-worker.out"),
+        cluster.dir.path().join(format!("{script}.out")),
     )
 }
 
@@ -68,7 +75,8 @@ async fn node_sdk_stream_worker_completes_100_jobs_pushed_by_courier() {
     let cluster = Cluster::start(ClusterOpts::default()).await;
     let c = cluster.client();
     // Declared after the cluster, so dropped (killed) before it.
-    let mut worker = start_node_worker(&cluster);
+    // The script's own deadline, within the test's 60 s.
+    let mut worker = start_node_worker(&cluster, "stream-worker.mjs", JOB_TYPE, 50_000);
 
     // The SDK's one stream is registered with every broker, and the script says
     // "ready" once the SDK's initial backfill poll is answered: from then on no job
@@ -98,15 +106,53 @@ async fn node_sdk_stream_worker_completes_100_jobs_pushed_by_courier() {
     // every CompleteJob answer before the worker exited.
     assert_all_completed(&c, &keys).await;
 
-    let pushed = cluster
-        .gateway_metric(0, "courier_gateway_jobs_pushed_total")
-        .await;
-    let polled = cluster
-        .gateway_metric(0, "courier_gateway_jobs_activated_total")
-        .await;
     assert_eq!(
-        (pushed, polled),
+        cluster.pushed_and_polled().await,
         (JOBS as f64, 0.0),
         "every job must be pushed and none polled (pushed, polled)"
+    );
+}
+
+/// The SDK's polling worker: its long poll parks at the gateway, each job created
+/// wakes it (or the next poll finds it), and every job is completed, none pushed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_sdk_polling_worker_completes_100_jobs() {
+    let _g = serial().await;
+    require_node_and_sdk();
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let job_type = "node-sdk-poll";
+    let mut worker = start_node_worker(&cluster, "poll-worker.mjs", job_type, 20_000);
+
+    // Its first poll found nothing and waits at the gateway.
+    wait_until(
+        Duration::from_secs(20),
+        "the node worker's long poll is parked at the gateway",
+        || {
+            assert!(
+                !worker.exited_ok(),
+                "the node worker exited before any job was created"
+            );
+            let cluster = &cluster;
+            async move {
+                cluster
+                    .gateway_metric(0, "courier_gateway_long_poll_parked")
+                    .await
+                    >= 1.0
+            }
+        },
+    )
+    .await;
+
+    // Woken by the jobs, it has them all within seconds; a parked poll nothing woke
+    // would hold them until it ended (more than 10 s here).
+    let keys = create_in_batches(&c, job_type, 10, JOBS / 10).await;
+    worker.wait_for_keys(Duration::from_secs(8), &keys).await;
+    assert_all_completed(&c, &keys).await;
+
+    assert_eq!(
+        cluster.pushed_and_polled().await,
+        (0.0, JOBS as f64),
+        "every job must be polled and none pushed (pushed, polled)"
     );
 }

@@ -81,14 +81,7 @@ async fn pyzeebe_worker_completes_every_job(mode: &str) -> (f64, f64) {
     // pyzeebe logs a failed CompleteJob and goes on, so see for ourselves.
     assert_all_completed(&c, &keys).await;
 
-    (
-        cluster
-            .gateway_metric(0, "courier_gateway_jobs_pushed_total")
-            .await,
-        cluster
-            .gateway_metric(0, "courier_gateway_jobs_activated_total")
-            .await,
-    )
+    cluster.pushed_and_polled().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

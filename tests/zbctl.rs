@@ -237,12 +237,7 @@ async fn zbctl_streaming_worker_completes_500_jobs_pushed_by_courier() {
         },
     )
     .await;
-    let pushed = cluster
-        .gateway_metric(0, "courier_gateway_jobs_pushed_total")
-        .await;
-    let polled = cluster
-        .gateway_metric(0, "courier_gateway_jobs_activated_total")
-        .await;
+    let (pushed, polled) = cluster.pushed_and_polled().await;
     eprintln!("zbctl got {pushed} jobs pushed and {polled} by polling");
     // zbctl streams and long-polls side by side; push takes as many as the stream's
     // credit (32) allows at a time, polls the rest of a burst. Each job went out once.

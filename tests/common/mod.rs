@@ -309,6 +309,16 @@ impl Cluster {
         metric(&self.gateway_metrics[i], name).await
     }
 
+    /// Jobs the first gateway handed out by push and by polling, in that order.
+    pub async fn pushed_and_polled(&self) -> (f64, f64) {
+        (
+            self.gateway_metric(0, "courier_gateway_jobs_pushed_total")
+                .await,
+            self.gateway_metric(0, "courier_gateway_jobs_activated_total")
+                .await,
+        )
+    }
+
     /// The sum over all label sets of a metric, over every live broker.
     pub async fn broker_metric(&self, name: &str) -> f64 {
         let mut total = 0.0;
