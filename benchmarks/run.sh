@@ -98,10 +98,12 @@ rated() { # label address
       files[$m]="${files[$m]} $WORK/$m-$i.hist"
     done
   done
-  # shellcheck disable=SC2086
-  pushr="$("$BIN/courier-bench" merge --label "$1" ${files[push]}) $(awk -v c="${cpu[push]}" -v n="$RATE_SEGMENTS" 'BEGIN{printf "%.2f", c/n}') |"
-  # shellcheck disable=SC2086
-  pollr="$("$BIN/courier-bench" merge --label "$1" ${files[poll]}) $(awk -v c="${cpu[poll]}" -v n="$RATE_SEGMENTS" 'BEGIN{printf "%.2f", c/n}') |"
+  local -A rows
+  for m in push poll; do
+    # shellcheck disable=SC2086
+    rows[$m]="$("$BIN/courier-bench" merge --label "$1" ${files[$m]}) $(awk -v c="${cpu[$m]}" -v n="$RATE_SEGMENTS" 'BEGIN{printf "%.2f", c/n}') |"
+  done
+  pushr=${rows[push]}; pollr=${rows[poll]}
 }
 
 start_dev() { # durability [data-dir tag: a fresh process per tag] [more dev options...]

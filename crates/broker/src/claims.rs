@@ -94,7 +94,8 @@ impl Claims {
     }
 
     /// Whether no activation is in flight.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.wanted.is_empty()
     }
 }

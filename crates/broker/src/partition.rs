@@ -243,22 +243,30 @@ impl Partition {
         props: &ActivationProps,
         max_jobs: u32,
     ) -> Result<ActivationClaim<'_>, &'static str> {
-        let metrics = self.raft.metrics();
-        let m = metrics.borrow();
-        let caught_up = m.state == ServerState::Leader
-            && m.last_applied
-                .is_some_and(|applied| applied.leader_id.term == m.current_term);
-        drop(m);
+        // The term this replica leads in, from the server metrics (as is_leader):
+        // the full metrics change with every entry, and their lock with them.
+        let leading_term = {
+            let m = self.raft.server_metrics();
+            let m = m.borrow();
+            (m.state == ServerState::Leader).then(|| m.vote.leader_id().term)
+        };
         let mut claims = self.claims.lock().unwrap_or_else(|e| e.into_inner());
-        if caught_up {
+        {
             let applied = self.shared.read();
-            let outlook = claims.outlook(&props.job_type, &props.tenant_ids, |t| {
-                applied.state.queued(&props.job_type, t)
+            let caught_up = leading_term.is_some_and(|term| {
+                applied
+                    .last_applied
+                    .is_some_and(|id| id.leader_id.term == term)
             });
-            match outlook {
-                Outlook::Nothing => return Err("nothing"),
-                Outlook::Claimed => return Err("claimed"),
-                Outlook::Jobs => {}
+            if caught_up {
+                let outlook = claims.outlook(&props.job_type, &props.tenant_ids, |t| {
+                    applied.state.queued(&props.job_type, t)
+                });
+                match outlook {
+                    Outlook::Nothing => return Err("nothing"),
+                    Outlook::Claimed => return Err("claimed"),
+                    Outlook::Jobs => {}
+                }
             }
         }
         claims.add(&props.job_type, &props.tenant_ids, max_jobs);
