@@ -720,14 +720,14 @@ fn send_to(
     if !first && !p.registry.take_one(recipient) {
         return None;
     }
-    let link = p.registry.link(recipient.link)?;
     if !first {
         metrics::TRY_NEXT.inc();
     }
-    if let Some(t0) = created {
+    let sent = p.registry.send_push(recipient, p.id, lease, job)?;
+    if let (Ok(_), Some(t0)) = (&sent, created) {
         metrics::CREATE_TO_PUSH.observe(t0.elapsed().as_secs_f64());
     }
-    Some(link.send_push(recipient.stream_id, p.id, lease, job))
+    Some(sent)
 }
 
 /// Waits for the answer to a push, then tries the other recipients of the same

@@ -202,6 +202,26 @@ impl JobStreamRegistry {
         self.links.get(&id).map(|l| l.clone())
     }
 
+    /// Queues a push to `r` on its link now. A push that could not be queued (the
+    /// link is full or gone) gives back the credit it held: the gateway never counts
+    /// it as received, so that credit would otherwise be lost until the link ends.
+    /// `None` when `r`'s link is gone.
+    pub fn send_push(
+        &self,
+        r: &Recipient,
+        partition: PartitionId,
+        lease: u64,
+        job: ActivatedJob,
+    ) -> Option<Result<SentPush, PushOutcome>> {
+        let sent = self
+            .link(r.link)?
+            .send_push(r.stream_id, partition, lease, job);
+        if sent.is_err() {
+            self.refund(r, 1);
+        }
+        Some(sent)
+    }
+
     /// Every open link, e.g. to announce jobs to all gateways.
     pub fn links(&self) -> Vec<Arc<Link>> {
         self.links.iter().map(|l| l.clone()).collect()
@@ -398,6 +418,21 @@ mod tests {
         }
     }
 
+    /// Job 1 of type "a", activated.
+    fn job_one() -> ActivatedJob {
+        ActivatedJob {
+            key: courier_proto::domain::JobKey(1),
+            job_type: "a".into(),
+            worker: "w".into(),
+            retries: 1,
+            deadline: 0,
+            variables: "{}".into(),
+            custom_headers: "{}".into(),
+            tenant_id: DEFAULT_TENANT.into(),
+            process: Default::default(),
+        }
+    }
+
     #[test]
     fn lookups_find_streams_by_type_and_tenant_and_take_turns() {
         let reg = JobStreamRegistry::default();
@@ -515,17 +550,7 @@ mod tests {
     async fn pushes_end_with_the_gateways_answer_or_unknown() {
         let reg = JobStreamRegistry::default();
         let (link, mut rx) = reg.add_link();
-        let job = ActivatedJob {
-            key: courier_proto::domain::JobKey(1),
-            job_type: "a".into(),
-            worker: "w".into(),
-            retries: 1,
-            deadline: 0,
-            variables: "{}".into(),
-            custom_headers: "{}".into(),
-            tenant_id: DEFAULT_TENANT.into(),
-            process: Default::default(),
-        };
+        let job = job_one();
         // Sent, then the gateway's answer (or none), as the leader's pushes are.
         let push = |link: &Arc<Link>, lease: u64, job: ActivatedJob| {
             let sent = link.send_push(9, PartitionId(2), lease, job);
@@ -560,5 +585,35 @@ mod tests {
         tokio::task::yield_now().await;
         reg.remove_link(id);
         assert_eq!(pending.await.expect("push"), PushOutcome::Unknown);
+    }
+
+    #[test]
+    fn a_push_that_cannot_be_queued_gives_its_credit_back() {
+        let reg = JobStreamRegistry::default();
+        let (link, rx) = reg.add_link();
+        reg.register(link.id, 1, props("a", "w"));
+        assert!(reg.report_credit(link.id, 1, 1, 0));
+        let job = job_one();
+        let t = reg.lookup("a", DEFAULT_TENANT, 1).expect("credit");
+        assert!(reg.lookup("a", DEFAULT_TENANT, 1).is_none(), "held");
+        // The link's queue is gone (as when full): the push is refused here, and
+        // the recipient may be pushed to again.
+        drop(rx);
+        let sent = reg.send_push(&t.recipient, PartitionId(1), 1, job.clone());
+        assert!(matches!(sent, Some(Err(PushOutcome::Refused(ref r))) if r == "link_gone"));
+        let t = reg
+            .lookup("a", DEFAULT_TENANT, 1)
+            .expect("credit given back");
+        // A push that was queued keeps its credit until the gateway reports it.
+        let (link2, _rx2) = reg.add_link();
+        reg.register(link2.id, 1, props("b", "w"));
+        reg.report_credit(link2.id, 1, 1, 0);
+        let t2 = reg.lookup("b", DEFAULT_TENANT, 1).expect("credit");
+        assert!(matches!(
+            reg.send_push(&t2.recipient, PartitionId(1), 1, job),
+            Some(Ok(_))
+        ));
+        assert!(reg.lookup("b", DEFAULT_TENANT, 1).is_none());
+        drop(t);
     }
 }
