@@ -30,6 +30,7 @@ struct Metrics {
     inflight_bytes: IntGauge,
     spare_jobs: IntGauge,
     credit_reports: IntCounter,
+    stale_jobs_dropped: IntCounter,
 }
 
 static METRICS: LazyLock<Option<Metrics>> = LazyLock::new(|| match build() {
@@ -146,9 +147,14 @@ fn build() -> prometheus::Result<Metrics> {
             "courier_gateway_credit_reports_total",
             "StreamCredit reports sent to brokers",
         )?,
+        stale_jobs_dropped: IntCounter::new(
+            "courier_gateway_stale_jobs_dropped_total",
+            "Pushed jobs dropped before reaching a client because their activation ended \
+             while they waited in the gateway (timed out, finished elsewhere, or pushed again)",
+        )?,
     };
     let registry = prometheus::default_registry();
-    let collectors: [Box<dyn prometheus::core::Collector>; 19] = [
+    let collectors: [Box<dyn prometheus::core::Collector>; 20] = [
         Box::new(m.requests.clone()),
         Box::new(m.request_duration.clone()),
         Box::new(m.long_poll_parked.clone()),
@@ -168,6 +174,7 @@ fn build() -> prometheus::Result<Metrics> {
         Box::new(m.inflight_bytes.clone()),
         Box::new(m.spare_jobs.clone()),
         Box::new(m.credit_reports.clone()),
+        Box::new(m.stale_jobs_dropped.clone()),
     ];
     for c in collectors {
         if let Err(e) = registry.register(c) {
@@ -301,6 +308,13 @@ pub fn link_message_dropped(kind: &'static str) {
 pub fn credit_report_sent() {
     if let Some(m) = METRICS.as_ref() {
         m.credit_reports.inc();
+    }
+}
+
+/// Counts `n` pushed jobs dropped at the gateway because their activation ended.
+pub fn stale_jobs_dropped(n: usize) {
+    if let Some(m) = METRICS.as_ref() {
+        m.stale_jobs_dropped.inc_by(n as u64);
     }
 }
 

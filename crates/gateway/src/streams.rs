@@ -633,6 +633,7 @@ impl AggregatedStreams {
                 }
             }
         }
+        metrics::stale_jobs_dropped(stale);
         tracing::debug!(
             stream_id,
             client_id,
@@ -665,13 +666,32 @@ impl AggregatedStreams {
     }
 
     /// A starved client took a job from its buffer: its stream has credit to report.
-    fn took(&self, stream_id: u64) {
+    /// Client `client_id` took job `b` from its buffer. True when the job is still
+    /// its to run; false when the activation it came with ended while it waited there
+    /// (it timed out, finished elsewhere, or was pushed again): its credit already came
+    /// back, and running it would run it twice or after its end. `starved`: the
+    /// stream's last report was held down by this client's buffer, so it reports again.
+    fn take(&self, stream_id: u64, client_id: u64, b: &Buffered, starved: bool) -> bool {
         let mut st = self.lock();
-        if st.streams.contains_key(&stream_id) {
+        let key = b.job.key;
+        let current = st
+            .held
+            .get(&key)
+            .is_some_and(|h| h.client_id == client_id && h.lease == b.lease);
+        if !current {
+            metrics::stale_jobs_dropped(1);
+            tracing::debug!(
+                job = key,
+                client_id,
+                "activation ended while buffered; dropped"
+            );
+        }
+        if starved && st.streams.contains_key(&stream_id) {
             st.dirty.insert(stream_id);
             st.drain_spare(stream_id);
             self.wake_if_dirty(&st);
         }
+        current
     }
 
     fn detach_link(&self, node: NodeId, conn: u64) {
@@ -819,6 +839,7 @@ impl State {
             let (key, lease) = (b.job.key, b.lease);
             if !self.is_spare(key, lease) {
                 // Its hold ended while it waited: nobody should run it.
+                metrics::stale_jobs_dropped(1);
                 continue;
             }
             let timeout_ms = self
@@ -1186,11 +1207,20 @@ impl Stream for ClientStream {
 
     /// Never ends on its own: the client's sender lives until the client leaves.
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let polled = self.rx.poll_recv(cx);
-        if matches!(polled, Poll::Ready(Some(_))) && self.starved.swap(false, Ordering::Relaxed) {
-            self.streams.took(self.stream_id);
+        loop {
+            let b = match self.rx.poll_recv(cx) {
+                Poll::Ready(Some(b)) => b,
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => return Poll::Pending,
+            };
+            let starved = self.starved.swap(false, Ordering::Relaxed);
+            if self
+                .streams
+                .take(self.stream_id, self.client_id, &b, starved)
+            {
+                return Poll::Ready(Some(*b.job));
+            }
         }
-        polled.map(|b| b.map(|b| *b.job))
     }
 }
 
@@ -1849,10 +1879,34 @@ mod tests {
         s.flush();
         assert_eq!(reports(&mut rx), [(id, 0, 2)]);
         assert_eq!(ack(&l, push(id, 3)), refused(CLIENTS_FULL));
-        assert_eq!(keys(&mut a), [1, 2]);
+        // Their activations ended: the client takes them out of its buffer but is
+        // not handed them.
+        assert_eq!(keys(&mut a), Vec::<i64>::new());
         s.flush();
         assert_eq!(reports(&mut rx), [(id, 2, 3)]);
         assert_eq!(ack(&l, push(id, 3)), ok());
+        assert_eq!(keys(&mut a), [3]);
+    }
+
+    #[test]
+    fn a_buffered_job_whose_activation_ended_never_reaches_its_client() {
+        let s = registry(4);
+        let (l, _rx) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
+        let id = a.stream_id();
+        for k in 1..=3 {
+            assert_eq!(ack(&l, push(id, k)), ok());
+        }
+        // While the client has not read them: job 1 timed out and was pushed again
+        // under a new lease, job 2 was completed through another gateway.
+        let mut again = push(id, 1);
+        again.lease = lease(1) + 1;
+        again.push_id += 1;
+        assert_eq!(ack(&l, again), ok());
+        s.finished(2, lease(2));
+        // Each job once, under the activation that is current; nothing run twice.
+        assert_eq!(keys(&mut a), [3, 1]);
+        assert_eq!(s.inflight().0, 2);
     }
 
     #[test]
