@@ -154,9 +154,7 @@ impl Router {
             if wake >= retry_until.min(deadline) || self.shutdown.is_cancelled() {
                 tracing::debug!(%partition, reason, last, "giving up");
                 return Err(RouteFailure {
-                    error: BrokerError::Unavailable(format!(
-                        "partition {partition} is unavailable: {last}"
-                    )),
+                    error: given_up(partition, reason, last),
                     not_applied,
                 });
             }
@@ -310,9 +308,40 @@ pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
     })
 }
 
+/// The error a request gets when its retries run out, from the reason of the last
+/// attempt. Back pressure stays back pressure (RESOURCE_EXHAUSTED), so the client backs
+/// off and retries as it would against Zeebe; anything else is UNAVAILABLE.
+fn given_up(partition: PartitionId, reason: &str, last: String) -> BrokerError {
+    if reason == "resource_exhausted" {
+        BrokerError::ResourceExhausted(last)
+    } else {
+        BrokerError::Unavailable(format!("partition {partition} is unavailable: {last}"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retries_that_run_out_under_back_pressure_say_so() {
+        let p = PartitionId(2);
+        let busy = "partition 2 has 4096 commands waiting; retry later".to_string();
+        let e = given_up(p, "resource_exhausted", busy.clone());
+        assert_eq!(e, BrokerError::ResourceExhausted(busy));
+        assert_eq!(
+            tonic::Status::from(e).code(),
+            tonic::Code::ResourceExhausted
+        );
+        let e = given_up(p, "no_leader", "no leader known".into());
+        assert_eq!(
+            tonic::Status::from(e.clone()).code(),
+            tonic::Code::Unavailable
+        );
+        assert!(e
+            .to_string()
+            .contains("partition 2 is unavailable: no leader known"));
+    }
 
     #[test]
     fn grpc_timeouts_in_every_unit() {

@@ -245,7 +245,12 @@ impl Shared {
                 Ok(other) => {
                     tracing::warn!(%partition, reply = reply_kind(&other), "unexpected reply to Activate")
                 }
-                Err(f) if matches!(f.error, BrokerError::Unavailable(_)) => {
+                Err(f)
+                    if matches!(
+                        f.error,
+                        BrokerError::Unavailable(_) | BrokerError::ResourceExhausted(_)
+                    ) =>
+                {
                     // Counted in the retry metric; at info level this would log every poll.
                     tracing::debug!(%partition, error = %f.error, "skipping unavailable partition");
                 }
