@@ -840,3 +840,71 @@ async fn a_woken_poll_takes_its_job_from_the_notices_partition_alone() {
         );
     }
 }
+
+/// Jobs activated for an ActivateJobs call whose client went away before the answer
+/// are given back at once (failed with their retries unchanged, as Zeebe's gateway
+/// does), not held until their activation times out. The followers are frozen so that
+/// the activation is still committing when the client leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_activated_for_a_poll_whose_client_left_are_given_back() {
+    let _g = serial().await;
+    let (cluster, c) = one_partition_cluster("given-back").await;
+    let key = c
+        .create_job(NewJob::new("given-back").retries(4))
+        .await
+        .expect("create")
+        .key;
+    let leader = cluster.leaders().await[&1];
+    let followers: Vec<u64> = (1..=3).filter(|&b| b != leader).collect();
+    for &f in &followers {
+        cluster.freeze_broker(f, true);
+    }
+    // The client leaves while its activation waits for a majority.
+    let gone = tokio::spawn({
+        let c = c.clone();
+        async move {
+            c.activate_jobs(poll("given-back", 1).request_timeout(Duration::from_secs(20)))
+                .await
+        }
+    });
+    // Seen from the leader: another poll finds the job claimed by that activation.
+    // (Only the leader's metrics: the frozen followers would not answer, and a freeze
+    // longer than the election timeout would end that leader's term.)
+    let claimed = || metric(&cluster.broker_metrics[&leader], CLAIMED);
+    let claimed_before = claimed().await;
+    // A check that came first takes the job itself and hangs: it is cut short, and
+    // its client is gone too (one activation in flight either way). Kept well under
+    // the followers' election timeout (450 ms), which would end the leader's term.
+    wait_until(
+        Duration::from_secs(10),
+        "an activation whose client left is in flight",
+        || async {
+            let once = poll("given-back", 1).request_timeout(Duration::ZERO);
+            let answer =
+                tokio::time::timeout(Duration::from_millis(100), c.activate_jobs(once)).await;
+            matches!(answer, Ok(Ok(jobs)) if jobs.is_empty()) && claimed().await > claimed_before
+        },
+    )
+    .await;
+    gone.abort();
+    let _ = gone.await;
+    for &f in &followers {
+        cluster.freeze_broker(f, false);
+    }
+    // Far sooner than its 60 s activation timeout, the next poll gets it, retries intact.
+    let jobs = c
+        .activate_jobs(poll("given-back", 1).request_timeout(Duration::from_secs(10)))
+        .await
+        .expect("poll");
+    assert_eq!(
+        jobs.iter().map(|j| (j.key, j.retries)).collect::<Vec<_>>(),
+        vec![(key, 4)],
+        "the job activated for the client that left was not given back"
+    );
+    assert_eq!(
+        cluster
+            .gateway_metric(0, "courier_gateway_activations_given_back_total")
+            .await,
+        1.0
+    );
+}

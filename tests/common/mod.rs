@@ -116,6 +116,19 @@ impl Proc {
         }
     }
 
+    /// SIGSTOP (`stop`) or SIGCONT: the process hangs, as on a stalled machine, with
+    /// its sockets open.
+    fn signal_stop(&self, stop: bool) {
+        if let Some(c) = &self.child {
+            let status = Command::new("kill")
+                .arg(if stop { "-STOP" } else { "-CONT" })
+                .arg(c.id().to_string())
+                .status()
+                .expect("run kill");
+            assert!(status.success(), "kill -STOP/-CONT failed");
+        }
+    }
+
     /// SIGKILL: a crash, not a shutdown.
     fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -342,6 +355,13 @@ impl Cluster {
     pub fn kill_broker(&mut self, id: u64) {
         if let Some(p) = self.brokers.get_mut(&id) {
             p.kill();
+        }
+    }
+
+    /// Freezes broker `id` (SIGSTOP) or lets it go on (`frozen` false: SIGCONT).
+    pub fn freeze_broker(&self, id: u64, frozen: bool) {
+        if let Some(p) = self.brokers.get(&id) {
+            p.signal_stop(frozen);
         }
     }
 

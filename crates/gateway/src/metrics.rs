@@ -31,6 +31,7 @@ struct Metrics {
     spare_jobs: IntGauge,
     credit_reports: IntCounter,
     stale_jobs_dropped: IntCounter,
+    activations_given_back: IntCounter,
 }
 
 static METRICS: LazyLock<Option<Metrics>> = LazyLock::new(|| match build() {
@@ -152,9 +153,14 @@ fn build() -> prometheus::Result<Metrics> {
             "Pushed jobs dropped before reaching a client because their activation ended \
              while they waited in the gateway (timed out, finished elsewhere, or pushed again)",
         )?,
+        activations_given_back: IntCounter::new(
+            "courier_gateway_activations_given_back_total",
+            "Jobs activated for an ActivateJobs call whose client went away before the \
+             answer, failed back with their retries unchanged",
+        )?,
     };
     let registry = prometheus::default_registry();
-    let collectors: [Box<dyn prometheus::core::Collector>; 20] = [
+    let collectors: [Box<dyn prometheus::core::Collector>; 21] = [
         Box::new(m.requests.clone()),
         Box::new(m.request_duration.clone()),
         Box::new(m.long_poll_parked.clone()),
@@ -175,6 +181,7 @@ fn build() -> prometheus::Result<Metrics> {
         Box::new(m.spare_jobs.clone()),
         Box::new(m.credit_reports.clone()),
         Box::new(m.stale_jobs_dropped.clone()),
+        Box::new(m.activations_given_back.clone()),
     ];
     for c in collectors {
         if let Err(e) = registry.register(c) {
@@ -315,6 +322,13 @@ pub fn credit_report_sent() {
 pub fn stale_jobs_dropped(n: usize) {
     if let Some(m) = METRICS.as_ref() {
         m.stale_jobs_dropped.inc_by(n as u64);
+    }
+}
+
+/// Counts `n` jobs of an unanswerable ActivateJobs call given back to their broker.
+pub fn activations_given_back(n: u64) {
+    if let Some(m) = METRICS.as_ref() {
+        m.activations_given_back.inc_by(n);
     }
 }
 

@@ -35,6 +35,11 @@ const CREATE_HOP_AFTER: Duration = Duration::from_secs(1);
 /// A long poll ends this much before the request's deadline, so the client gets a
 /// clean end of stream rather than DEADLINE_EXCEEDED.
 const LONG_POLL_MARGIN: Duration = Duration::from_millis(100);
+/// How long giving back the jobs of an ActivateJobs answer nobody took may retry.
+const GIVE_BACK_BUDGET: Duration = Duration::from_secs(10);
+/// The error message of a job given back that way.
+const GIVE_BACK_MESSAGE: &str =
+    "activated for an ActivateJobs call whose client went away before the answer; given back";
 /// Most jobs one CreateJobs request may carry.
 pub const MAX_BATCH: usize = 10_000;
 /// The version reported by Topology.
@@ -165,12 +170,15 @@ impl Shared {
 
     /// ActivateJobs: visit the partitions, park until a notice if nothing was found,
     /// and answer with the jobs (`None`: end the stream without a message).
+    /// `gone` is cancelled when the client went away: a parked poll ends then, a visit
+    /// in flight runs to its end (see [`Shared::give_back`]).
     async fn activate(
         &self,
         props: ActivationProps,
         max: u32,
         request_timeout_ms: i64,
         deadline: Instant,
+        gone: &CancellationToken,
     ) -> Result<Option<gw::ActivateJobsResponse>, GatewayError> {
         let poll_end = match request_timeout_ms {
             t if t < 0 => None,
@@ -201,10 +209,42 @@ impl Shared {
             let (Some(end), Some(w)) = (poll_end, waiter.as_mut()) else {
                 return Ok(None);
             };
-            if !w.wait(end, &self.shutdown).await {
+            if gone.is_cancelled() {
+                return Ok(None);
+            }
+            // A notice that chose this waiter as the client left is passed on by
+            // the waiter's drop.
+            let woken = tokio::select! {
+                w = w.wait(end, &self.shutdown) => w,
+                _ = gone.cancelled() => false,
+            };
+            if !woken {
                 return Ok(None);
             }
         }
+    }
+
+    /// Jobs activated for an ActivateJobs call whose client went away before it could
+    /// be answered: each is failed back with its retries unchanged and no back-off, so
+    /// it is runnable again at once (pushed to a stream, or there for the next poll)
+    /// instead of waiting out its activation timeout. As Zeebe's gateway does.
+    async fn give_back(&self, jobs: Vec<gw::ActivatedJob>) {
+        let deadline = instant_after(GIVE_BACK_BUDGET);
+        let fails = jobs.into_iter().map(|job| async move {
+            let command = Command::Fail {
+                key: JobKey(job.key),
+                retries: job.retries,
+                error_message: GIVE_BACK_MESSAGE.into(),
+                retry_backoff_ms: 0,
+                variables: None,
+            };
+            match self.job_command(job.key, Ok(command), deadline).await {
+                Ok(()) => metrics::activations_given_back(1),
+                // Its timeout recovers it.
+                Err(e) => tracing::info!(job = job.key, error = %e, "could not give back a job"),
+            }
+        });
+        futures::future::join_all(fails).await;
     }
 
     /// One pass over the partitions, from `first` or else a rotating start, until
@@ -408,21 +448,49 @@ impl Gateway for GatewayService {
             }
         };
         let shared = self.0.clone();
-        let poll = async move {
-            let result = shared
-                .activate(props, max, req.request_timeout, deadline)
-                .await
-                .map_err(Status::from);
-            observer.finish(
-                result
+        // The poll runs on a task of its own, so that a client going away while an
+        // Activate is on its way to a broker cannot lose the jobs it activates: the
+        // stream is dropped then, which cancels `gone` (ending a parked poll), and
+        // an answer that finds nobody to take it is given back.
+        let gone = CancellationToken::new();
+        let client = gone.clone().drop_guard();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let stop = self.0.shutdown.clone();
+        tokio::spawn(
+            async move {
+                let result = shared
+                    .activate(props, max, req.request_timeout, deadline, &gone)
+                    .await
+                    .map_err(Status::from);
+                let code = result
                     .as_ref()
-                    .map_or_else(|s| s.code(), |_| tonic::Code::Ok),
-            );
-            result
-        }
-        .instrument(span);
-        // The stream is dropped when the client goes away, which cancels the poll.
-        let stream = futures::stream::once(poll).filter_map(|r| std::future::ready(r.transpose()));
+                    .map_or_else(|s| s.code(), |_| tonic::Code::Ok);
+                match tx.send(result) {
+                    Ok(()) => observer.finish(code),
+                    Err(unsent) => {
+                        observer.finish(tonic::Code::Cancelled);
+                        if let Ok(Some(answer)) = unsent {
+                            tracing::debug!(
+                                jobs = answer.jobs.len(),
+                                "client gone; giving the jobs back"
+                            );
+                            tokio::select! {
+                                _ = shared.give_back(answer.jobs) => {}
+                                _ = stop.cancelled() => {}
+                            }
+                        }
+                    }
+                }
+            }
+            .instrument(span),
+        );
+        let answer = async move {
+            let _client = client;
+            rx.await
+                .unwrap_or_else(|_| Err(Status::internal("the long poll ended without an answer")))
+        };
+        let stream =
+            futures::stream::once(answer).filter_map(|r| std::future::ready(r.transpose()));
         Ok(Response::new(Box::pin(stream)))
     }
 
