@@ -908,3 +908,54 @@ async fn jobs_activated_for_a_poll_whose_client_left_are_given_back() {
         1.0
     );
 }
+
+/// An ActivateJobs answer carries at most 4 MiB of jobs, what gRPC clients accept
+/// by default; jobs past that are given back and go to the next poll at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_answer_stays_within_what_clients_accept_and_the_rest_waits_its_turn() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts {
+        brokers: 1,
+        partitions: 1,
+        replication_factor: 1,
+        ..ClusterOpts::default()
+    })
+    .await;
+    let c = cluster.client();
+    let big = format!("{{\"blob\":\"{}\"}}", "b".repeat(1536 * 1024));
+    let mut keys = BTreeSet::new();
+    for _ in 0..6 {
+        let job = NewJob::new("large").variables(big.as_str()).retries(5);
+        keys.insert(c.create_job(job).await.expect("create").key);
+    }
+    // The client (tonic, like Zeebe's) refuses messages above 4 MiB: all six in one
+    // answer would be 9 MiB.
+    let mut got = BTreeSet::new();
+    let start = Instant::now();
+    while got.len() < keys.len() && start.elapsed() < Duration::from_secs(20) {
+        let jobs = c
+            .activate_jobs(poll("large", 32).request_timeout(Duration::from_secs(2)))
+            .await
+            .expect("an answer the client accepts");
+        assert!(
+            jobs.len() <= 2,
+            "{} jobs of 1.5 MiB in one answer",
+            jobs.len()
+        );
+        for j in jobs {
+            assert_eq!(j.retries, 5, "a job given back keeps its retries");
+            assert!(got.insert(j.key), "job {} handed out twice", j.key);
+        }
+    }
+    assert_eq!(
+        got, keys,
+        "every job, long before its 60 s activation timeout"
+    );
+    assert_eq!(
+        cluster
+            .gateway_metric(0, "courier_gateway_activations_given_back_total")
+            .await,
+        6.0,
+        "4 given back after the first answer, 2 after the second"
+    );
+}

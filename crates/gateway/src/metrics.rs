@@ -155,8 +155,8 @@ fn build() -> prometheus::Result<Metrics> {
         )?,
         activations_given_back: IntCounter::new(
             "courier_gateway_activations_given_back_total",
-            "Jobs activated for an ActivateJobs call whose client went away before the \
-             answer, failed back with their retries unchanged",
+            "Jobs activated for an ActivateJobs call but not in its answer (the client went \
+             away first, or the answer was full), failed back with their retries unchanged",
         )?,
     };
     let registry = prometheus::default_registry();

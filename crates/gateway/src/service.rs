@@ -11,8 +11,7 @@ use crate::topology::{ClusterView, Topology};
 use courier_proto::convert;
 use courier_proto::courier_v1::{self as v1, jobs_server::Jobs};
 use courier_proto::domain::{
-    ActivatedJob, ActivationProps, BrokerError, Command, JobKey, NewJob, PartitionId, Reply,
-    Request,
+    ActivationProps, BrokerError, Command, JobKey, NewJob, PartitionId, Reply, Request,
 };
 use courier_proto::gateway_protocol::{self as gw, gateway_server::Gateway};
 use futures::{Stream, StreamExt};
@@ -40,6 +39,13 @@ const GIVE_BACK_BUDGET: Duration = Duration::from_secs(10);
 /// The error message of a job given back that way.
 const GIVE_BACK_MESSAGE: &str =
     "activated for an ActivateJobs call whose client went away before the answer; given back";
+/// Most bytes of jobs one ActivateJobs answer carries: the 4 MiB that Zeebe's gateway
+/// allows and that gRPC clients accept by default (Java, Go, Node.js, tonic). Jobs
+/// past it are given back, and the next poll gets them.
+pub const MAX_ACTIVATE_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+/// The error message of a job given back because its poll's answer was full.
+const ANSWER_FULL_MESSAGE: &str =
+    "activated beyond the 4 MiB an ActivateJobs answer may carry; given back";
 /// Most jobs one CreateJobs request may carry.
 pub const MAX_BATCH: usize = 10_000;
 /// The version reported by Topology.
@@ -47,6 +53,22 @@ const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The StreamActivatedJobs request header in which Courier's worker states its
 /// credit (its max jobs active); Zeebe clients never send it.
 pub const MAX_JOBS_ACTIVE_HEADER: &str = "courier-max-jobs-active";
+
+/// At least the bytes `job` takes in an encoded ActivateJobsResponse: its strings,
+/// and for each of its 14 fields a tag, a length and at most a 10-byte varint, plus
+/// the job's own tag and length.
+fn encoded_size_bound(job: &gw::ActivatedJob) -> usize {
+    let strings = [
+        &job.r#type,
+        &job.bpmn_process_id,
+        &job.element_id,
+        &job.custom_headers,
+        &job.worker,
+        &job.variables,
+        &job.tenant_id,
+    ];
+    strings.iter().map(|s| s.len()).sum::<usize>() + 14 * 16 + 16
+}
 
 /// Rotates the first partition of successive visits, so that requests spread over
 /// partitions instead of all draining partition 1 first.
@@ -173,7 +195,7 @@ impl Shared {
     /// `gone` is cancelled when the client went away: a parked poll ends then, a visit
     /// in flight runs to its end (see [`Shared::give_back`]).
     async fn activate(
-        &self,
+        self: &Arc<Self>,
         props: ActivationProps,
         max: u32,
         request_timeout_ms: i64,
@@ -202,9 +224,7 @@ impl Shared {
             if !jobs.is_empty() {
                 metrics::jobs_activated(jobs.len());
                 tracing::debug!(jobs = jobs.len(), "activated");
-                return Ok(Some(gw::ActivateJobsResponse {
-                    jobs: jobs.into_iter().map(gw::ActivatedJob::from).collect(),
-                }));
+                return Ok(Some(gw::ActivateJobsResponse { jobs }));
             }
             let (Some(end), Some(w)) = (poll_end, waiter.as_mut()) else {
                 return Ok(None);
@@ -228,13 +248,13 @@ impl Shared {
     /// be answered: each is failed back with its retries unchanged and no back-off, so
     /// it is runnable again at once (pushed to a stream, or there for the next poll)
     /// instead of waiting out its activation timeout. As Zeebe's gateway does.
-    async fn give_back(&self, jobs: Vec<gw::ActivatedJob>) {
+    async fn give_back(&self, jobs: Vec<gw::ActivatedJob>, why: &'static str) {
         let deadline = instant_after(GIVE_BACK_BUDGET);
         let fails = jobs.into_iter().map(|job| async move {
             let command = Command::Fail {
                 key: JobKey(job.key),
                 retries: job.retries,
-                error_message: GIVE_BACK_MESSAGE.into(),
+                error_message: why.into(),
                 retry_backoff_ms: 0,
                 variables: None,
             };
@@ -248,19 +268,22 @@ impl Shared {
     }
 
     /// One pass over the partitions, from `first` or else a rotating start, until
-    /// `max` jobs, or until `first` gave some.
+    /// `max` jobs, until `first` gave some, or until the answer is full
+    /// ([`MAX_ACTIVATE_RESPONSE_BYTES`]; the jobs past it are given back).
     async fn visit(
-        &self,
+        self: &Arc<Self>,
         props: &ActivationProps,
         max: u32,
         deadline: Instant,
         first: Option<PartitionId>,
-    ) -> Result<Vec<ActivatedJob>, GatewayError> {
-        let mut jobs: Vec<ActivatedJob> = Vec::new();
+    ) -> Result<Vec<gw::ActivatedJob>, GatewayError> {
+        let mut jobs: Vec<gw::ActivatedJob> = Vec::new();
+        let mut bytes = 0usize;
+        let mut over: Vec<gw::ActivatedJob> = Vec::new();
         let count = self.topology.partitions_count();
         for partition in self.activate_start.order_from(first, count) {
             let remaining = max.saturating_sub(u32::try_from(jobs.len()).unwrap_or(u32::MAX));
-            if remaining == 0 {
+            if remaining == 0 || !over.is_empty() {
                 break;
             }
             let request = Request::Command(Command::Activate {
@@ -274,7 +297,17 @@ impl Shared {
                 .await
             {
                 Ok(Reply::Activated(batch)) => {
-                    jobs.extend(batch);
+                    for job in batch.into_iter().map(gw::ActivatedJob::from) {
+                        let size = encoded_size_bound(&job);
+                        // The first job goes whatever its size: alone, it fits in as
+                        // much as any answer could.
+                        if !jobs.is_empty() && bytes + size > MAX_ACTIVATE_RESPONSE_BYTES {
+                            over.push(job);
+                        } else {
+                            bytes += size;
+                            jobs.push(job);
+                        }
+                    }
                     // Woken for jobs there and given some: answer now rather than
                     // after visiting the rest. Their jobs have notices of their own,
                     // which wake the next parked request.
@@ -302,6 +335,16 @@ impl Shared {
                 }
                 Err(f) => return Err(f.error.into()),
             }
+        }
+        if !over.is_empty() {
+            tracing::debug!(jobs = over.len(), "answer full; giving the rest back");
+            let me = self.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = me.give_back(over, ANSWER_FULL_MESSAGE) => {}
+                    _ = me.shutdown.cancelled() => {}
+                }
+            });
         }
         Ok(jobs)
     }
@@ -475,7 +518,7 @@ impl Gateway for GatewayService {
                                 "client gone; giving the jobs back"
                             );
                             tokio::select! {
-                                _ = shared.give_back(answer.jobs) => {}
+                                _ = shared.give_back(answer.jobs, GIVE_BACK_MESSAGE) => {}
                                 _ = stop.cancelled() => {}
                             }
                         }
@@ -820,6 +863,37 @@ fn create_batch(jobs: &[v1::CreateJobRequest]) -> Result<Vec<NewJob>, GatewayErr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_size_bound_of_a_job_is_never_below_its_encoded_size() {
+        use prost::Message;
+        let long = |n: usize| "v".repeat(n);
+        let jobs = [
+            gw::ActivatedJob::default(),
+            gw::ActivatedJob {
+                key: i64::MIN,
+                r#type: long(300),
+                process_instance_key: -1,
+                bpmn_process_id: long(200),
+                process_definition_version: i32::MIN,
+                process_definition_key: -1,
+                element_id: long(130),
+                element_instance_key: i64::MIN,
+                custom_headers: long(70_000),
+                worker: long(20),
+                retries: -1,
+                deadline: i64::MAX,
+                variables: long(4 * 1024 * 1024),
+                tenant_id: long(31),
+            },
+        ];
+        for job in jobs {
+            let answer = gw::ActivateJobsResponse {
+                jobs: vec![job.clone()],
+            };
+            assert!(encoded_size_bound(&job) >= answer.encoded_len());
+        }
+    }
     use crate::topology::{Leader, PartitionReport};
 
     fn visit(rr: &RoundRobin, count: u32) -> Vec<u32> {
