@@ -211,6 +211,10 @@ impl Shared {
         // Subscribed before the first visit: a notice during the visit is not lost.
         let mut waiter = poll_end.map(|_| self.queue.subscribe(&props.job_type, &props.tenant_ids));
         loop {
+            // Nobody to answer: activate nothing.
+            if gone.is_cancelled() {
+                return Ok(None);
+            }
             // Woken by a notice: its partition first.
             let first = waiter.as_ref().and_then(Waiter::partition_hint);
             let jobs = self.visit(&props, max, deadline, first).await?;
@@ -229,9 +233,6 @@ impl Shared {
             let (Some(end), Some(w)) = (poll_end, waiter.as_mut()) else {
                 return Ok(None);
             };
-            if gone.is_cancelled() {
-                return Ok(None);
-            }
             // A notice that chose this waiter as the client left is passed on by
             // the waiter's drop.
             let woken = tokio::select! {
@@ -864,6 +865,8 @@ fn create_batch(jobs: &[v1::CreateJobRequest]) -> Result<Vec<NewJob>, GatewayErr
 mod tests {
     use super::*;
 
+    use crate::topology::{Leader, PartitionReport};
+
     #[test]
     fn the_size_bound_of_a_job_is_never_below_its_encoded_size() {
         use prost::Message;
@@ -894,7 +897,6 @@ mod tests {
             assert!(encoded_size_bound(&job) >= answer.encoded_len());
         }
     }
-    use crate::topology::{Leader, PartitionReport};
 
     fn visit(rr: &RoundRobin, count: u32) -> Vec<u32> {
         rr.order(count).map(|p| p.0).collect()

@@ -665,7 +665,6 @@ impl AggregatedStreams {
         self.wake_if_dirty(&st);
     }
 
-    /// A starved client took a job from its buffer: its stream has credit to report.
     /// Client `client_id` took job `b` from its buffer. True when the job is still
     /// its to run; false when the activation it came with ended while it waited there
     /// (it timed out, finished elsewhere, or was pushed again): its credit already came
