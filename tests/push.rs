@@ -12,7 +12,7 @@ use common::{
 };
 use courier_client::{Client, NewJob};
 use courier_proto::gateway_protocol::{
-    gateway_client::GatewayClient, ActivatedJob, StreamActivatedJobsRequest,
+    gateway_client::GatewayClient, ActivatedJob, FailJobRequest, StreamActivatedJobsRequest,
 };
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -247,7 +247,6 @@ async fn jobs_created_before_any_worker_are_backfilled_by_push() {
     );
 }
 
-/// The next pushed job, within 5 s.
 /// Creates a job of `job_type` and waits until `s` is pushed it.
 async fn create_pushed(c: &Client, s: &mut tonic::Streaming<ActivatedJob>, job_type: &str) -> i64 {
     let key = c
@@ -259,6 +258,7 @@ async fn create_pushed(c: &Client, s: &mut tonic::Streaming<ActivatedJob>, job_t
     key
 }
 
+/// The next pushed job, within 5 s.
 async fn next(s: &mut tonic::Streaming<ActivatedJob>) -> ActivatedJob {
     tokio::time::timeout(Duration::from_secs(5), s.message())
         .await
@@ -468,4 +468,44 @@ async fn a_gateway_is_told_of_a_pushed_jobs_end_only_when_another_ended_it() {
     .await;
     assert_eq!(notices("sender").await, 1.0);
     wait_pushed_active(&cluster, 0.0).await;
+}
+
+/// A CompleteJob, FailJob or ThrowError the gateway turns down as invalid finishes
+/// nothing: the worker still holds the job, so its credit stays in use until a valid
+/// one comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_completion_leaves_the_jobs_credit_in_use() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    let mut s = open_stream(&cluster.gateway_addr, "held", Duration::from_secs(60)).await;
+    wait_registered(&cluster, 3.0).await;
+    let key = create_pushed(&c, &mut s, "held").await;
+    let in_use = || cluster.gateway_metric(0, "courier_gateway_credit_in_use");
+    assert_eq!(in_use().await, 1.0);
+    let invalid = Some(tonic::Code::InvalidArgument);
+    let e = c.complete_job(key, "[1]").await.expect_err("not an object");
+    assert_eq!(e.code(), invalid);
+    let mut raw = GatewayClient::connect(format!("http://{}", cluster.gateway_addr))
+        .await
+        .expect("connect");
+    let fail = FailJobRequest {
+        job_key: key,
+        retries: 1,
+        error_message: "x".into(),
+        variables: "[1]".into(),
+        ..Default::default()
+    };
+    let e = raw.fail_job(fail).await.expect_err("not an object");
+    assert_eq!(Some(e.code()), invalid);
+    assert_eq!(
+        in_use().await,
+        1.0,
+        "an invalid request gave the credit back"
+    );
+    c.complete_job(key, "").await.expect("complete");
+    wait_until(Duration::from_secs(5), "the credit is back", || async {
+        in_use().await == 0.0
+    })
+    .await;
 }

@@ -592,11 +592,12 @@ impl Gateway for GatewayService {
         let r = request.into_inner();
         let span = tracing::info_span!("CompleteJob", job_key = r.job_key);
         unary("CompleteJob", span, async {
-            // The worker is done with the job once it asks to finish it: its credit
+            // A request that is not valid finishes nothing: the worker still holds
+            // the job. A valid one means the worker is done with it: its credit
             // comes back now, so the next job is on its way while this one commits.
+            let command = convert::complete_request(&r).map_err(invalid)?;
             self.0.streams.finished_here(r.job_key, since);
-            let command = convert::complete_request(&r);
-            self.0.job_command(r.job_key, command, deadline).await?;
+            self.0.job_command(r.job_key, Ok(command), deadline).await?;
             Ok(gw::CompleteJobResponse {})
         })
         .await
@@ -612,11 +613,12 @@ impl Gateway for GatewayService {
         let r = request.into_inner();
         let span = tracing::info_span!("FailJob", job_key = r.job_key, retries = r.retries);
         unary("FailJob", span, async {
-            // The worker is done with the job once it asks to finish it: its credit
+            // A request that is not valid finishes nothing: the worker still holds
+            // the job. A valid one means the worker is done with it: its credit
             // comes back now, so the next job is on its way while this one commits.
+            let command = convert::fail_request(&r).map_err(invalid)?;
             self.0.streams.finished_here(r.job_key, since);
-            let command = convert::fail_request(&r);
-            self.0.job_command(r.job_key, command, deadline).await?;
+            self.0.job_command(r.job_key, Ok(command), deadline).await?;
             Ok(gw::FailJobResponse {})
         })
         .await
@@ -633,11 +635,12 @@ impl Gateway for GatewayService {
         let span =
             tracing::info_span!("ThrowError", job_key = r.job_key, error_code = %r.error_code);
         unary("ThrowError", span, async {
-            // The worker is done with the job once it asks to finish it: its credit
+            // A request that is not valid finishes nothing: the worker still holds
+            // the job. A valid one means the worker is done with it: its credit
             // comes back now, so the next job is on its way while this one commits.
+            let command = convert::throw_error_request(&r).map_err(invalid)?;
             self.0.streams.finished_here(r.job_key, since);
-            let command = convert::throw_error_request(&r);
-            self.0.job_command(r.job_key, command, deadline).await?;
+            self.0.job_command(r.job_key, Ok(command), deadline).await?;
             Ok(gw::ThrowErrorResponse {})
         })
         .await
