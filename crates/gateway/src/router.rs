@@ -6,7 +6,7 @@ use crate::metrics;
 use crate::topology::Topology;
 use courier_proto::cluster::{broker_client::BrokerClient, ExecuteReply, ExecuteRequest};
 use courier_proto::codec;
-use courier_proto::domain::{BrokerError, NodeId, PartitionId, Reply, Request};
+use courier_proto::domain::{BrokerError, Command, NodeId, PartitionId, Reply, Request};
 use courier_proto::mux::{CallError, Mux};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -117,6 +117,8 @@ impl Router {
         };
         let mut backoff = Backoff::new(RETRY_BASE, RETRY_CAP);
         let mut not_applied = true;
+        // An attempt's answer was lost where its command may have been applied.
+        let mut maybe_applied = false;
         loop {
             let (reason, last) = match self.attempt(partition, &execute, deadline).await {
                 Ok(Ok(reply)) => return Ok(reply),
@@ -125,6 +127,7 @@ impl Router {
                 }
                 Ok(Err(e @ BrokerError::Unavailable(_))) => {
                     not_applied = false;
+                    maybe_applied = true;
                     ("unavailable", e.to_string())
                 }
                 Ok(Err(e @ BrokerError::ResourceExhausted(_))) => {
@@ -132,15 +135,20 @@ impl Router {
                     ("resource_exhausted", e.to_string())
                 }
                 Ok(Err(e)) => {
+                    if let Some(reply) = settled_earlier(request, maybe_applied, &e) {
+                        tracing::info!(%partition, "a retry found its command's work done by an earlier attempt");
+                        return Ok(reply);
+                    }
                     return Err(RouteFailure {
                         error: e,
                         not_applied: false,
-                    })
+                    });
                 }
                 Err(Failed::NoLeader) => ("no_leader", "no leader known".to_string()),
                 Err(Failed::Unreachable(m)) => ("unreachable", m),
                 Err(Failed::Transport(m)) => {
                     not_applied = false;
+                    maybe_applied = true;
                     ("transport", m)
                 }
                 Err(Failed::Fatal(m)) => {
@@ -308,6 +316,19 @@ pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
     })
 }
 
+/// The answer to a retried command whose earlier attempt may have been applied (its
+/// answer was lost with the leader that took it) and whose retry finds the job gone:
+/// a CompleteJob or a Cancel did its work then, so it succeeded. Without this, a
+/// worker whose completion landed just before a failover is told NOT_FOUND.
+fn settled_earlier(request: &Request, maybe_applied: bool, error: &BrokerError) -> Option<Reply> {
+    let ends_the_job = matches!(
+        request,
+        Request::Command(Command::Complete { .. } | Command::Cancel { .. })
+    );
+    (maybe_applied && ends_the_job && matches!(error, BrokerError::NotFound(_)))
+        .then_some(Reply::Done)
+}
+
 /// The error a request gets when its retries run out, from the reason of the last
 /// attempt. Back pressure stays back pressure (RESOURCE_EXHAUSTED), so the client backs
 /// off and retries as it would against Zeebe; anything else is UNAVAILABLE.
@@ -322,6 +343,34 @@ fn given_up(partition: PartitionId, reason: &str, last: String) -> BrokerError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_completion_whose_earlier_attempt_may_have_landed_is_done_when_the_job_is_gone() {
+        use courier_proto::domain::JobKey;
+        let complete = Request::Command(Command::Complete {
+            key: JobKey(1 << 51),
+            variables: None,
+        });
+        let cancel = Request::Command(Command::Cancel {
+            key: JobKey(1 << 51),
+        });
+        let fail = Request::Command(Command::Fail {
+            key: JobKey(1 << 51),
+            retries: 1,
+            error_message: String::new(),
+            retry_backoff_ms: 0,
+            variables: None,
+        });
+        let gone = BrokerError::NotFound("no such job".into());
+        assert_eq!(settled_earlier(&complete, true, &gone), Some(Reply::Done));
+        assert_eq!(settled_earlier(&cancel, true, &gone), Some(Reply::Done));
+        // No attempt can have landed: the job was never there (or ended elsewhere).
+        assert_eq!(settled_earlier(&complete, false, &gone), None);
+        // A failed job is still there: NOT_FOUND after a fail means something else.
+        assert_eq!(settled_earlier(&fail, true, &gone), None);
+        let busy = BrokerError::FailedPrecondition("not activated".into());
+        assert_eq!(settled_earlier(&complete, true, &busy), None);
+    }
 
     #[test]
     fn retries_that_run_out_under_back_pressure_say_so() {
