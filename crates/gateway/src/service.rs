@@ -245,8 +245,9 @@ impl Shared {
         }
     }
 
-    /// Jobs activated for an ActivateJobs call whose client went away before it could
-    /// be answered: each is failed back with its retries unchanged and no back-off, so
+    /// Jobs activated for an ActivateJobs call that its answer does not carry (the
+    /// client went away first, or the answer was full; `why` says which): each is
+    /// failed back with its retries unchanged and no back-off, so
     /// it is runnable again at once (pushed to a stream, or there for the next poll)
     /// instead of waiting out its activation timeout. As Zeebe's gateway does.
     async fn give_back(&self, jobs: Vec<gw::ActivatedJob>, why: &'static str) {
@@ -265,7 +266,11 @@ impl Shared {
                 Err(e) => tracing::info!(job = job.key, error = %e, "could not give back a job"),
             }
         });
-        futures::future::join_all(fails).await;
+        // Stopping: what is left recovers by its activation timeout.
+        tokio::select! {
+            _ = futures::future::join_all(fails) => {}
+            _ = self.shutdown.cancelled() => {}
+        }
     }
 
     /// One pass over the partitions, from `first` or else a rotating start, until
@@ -340,12 +345,7 @@ impl Shared {
         if !over.is_empty() {
             tracing::debug!(jobs = over.len(), "answer full; giving the rest back");
             let me = self.clone();
-            tokio::spawn(async move {
-                tokio::select! {
-                    _ = me.give_back(over, ANSWER_FULL_MESSAGE) => {}
-                    _ = me.shutdown.cancelled() => {}
-                }
-            });
+            tokio::spawn(async move { me.give_back(over, ANSWER_FULL_MESSAGE).await });
         }
         Ok(jobs)
     }
@@ -499,7 +499,6 @@ impl Gateway for GatewayService {
         let gone = CancellationToken::new();
         let client = gone.clone().drop_guard();
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let stop = self.0.shutdown.clone();
         tokio::spawn(
             async move {
                 let result = shared
@@ -518,10 +517,7 @@ impl Gateway for GatewayService {
                                 jobs = answer.jobs.len(),
                                 "client gone; giving the jobs back"
                             );
-                            tokio::select! {
-                                _ = shared.give_back(answer.jobs, GIVE_BACK_MESSAGE) => {}
-                                _ = stop.cancelled() => {}
-                            }
+                            shared.give_back(answer.jobs, GIVE_BACK_MESSAGE).await;
                         }
                     }
                 }

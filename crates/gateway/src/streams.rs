@@ -593,11 +593,7 @@ impl AggregatedStreams {
             let key = b.job.key;
             // A job whose credit came back while buffered has finished or timed out:
             // nobody should run it.
-            let current = st
-                .held
-                .get(&key)
-                .is_some_and(|h| h.client_id == client_id && h.lease == b.lease);
-            if !current {
+            if !st.holds(key, client_id, b.lease) {
                 stale += 1;
                 continue;
             }
@@ -626,7 +622,7 @@ impl AggregatedStreams {
                 .unwrap_or_default();
             for b in spare {
                 let key = b.job.key;
-                if st.is_spare(key, b.lease) {
+                if st.holds(key, SPARE, b.lease) {
                     yielded += 1;
                     st.release(key);
                     st.yield_job(b, NO_CLIENT);
@@ -673,10 +669,7 @@ impl AggregatedStreams {
     fn take(&self, stream_id: u64, client_id: u64, b: &Buffered, starved: bool) -> bool {
         let mut st = self.lock();
         let key = b.job.key;
-        let current = st
-            .held
-            .get(&key)
-            .is_some_and(|h| h.client_id == client_id && h.lease == b.lease);
+        let current = st.holds(key, client_id, b.lease);
         if !current {
             metrics::stale_jobs_dropped(1);
             tracing::debug!(
@@ -781,11 +774,12 @@ impl State {
         Ok(())
     }
 
-    /// Whether job `key`'s activation `lease` is held in its stream's spare room.
-    fn is_spare(&self, key: i64, lease: u64) -> bool {
+    /// Whether job `key`'s activation `lease` is held for client `client_id` (or in its
+    /// stream's spare room: [`SPARE`]). False once that activation ended here.
+    fn holds(&self, key: i64, client_id: u64, lease: u64) -> bool {
         self.held
             .get(&key)
-            .is_some_and(|h| h.client_id == SPARE && h.lease == lease)
+            .is_some_and(|h| h.client_id == client_id && h.lease == lease)
     }
 
     /// Moves a held job that no client can take now into its stream's spare room; when
@@ -836,7 +830,7 @@ impl State {
                 return;
             };
             let (key, lease) = (b.job.key, b.lease);
-            if !self.is_spare(key, lease) {
+            if !self.holds(key, SPARE, lease) {
                 // Its hold ended while it waited: nobody should run it.
                 metrics::stale_jobs_dropped(1);
                 continue;
