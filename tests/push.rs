@@ -11,6 +11,8 @@ use common::{
     all_gone, serial, wait_broker_metric, wait_registered, wait_until, Cluster, ClusterOpts,
 };
 use courier_client::{Client, NewJob};
+use courier_proto::cluster::{HeldQuery, PushJob};
+use courier_proto::domain::DEFAULT_TENANT;
 use courier_proto::gateway_protocol::{
     gateway_client::GatewayClient, ActivatedJob, FailJobRequest, StreamActivatedJobsRequest,
 };
@@ -508,4 +510,201 @@ async fn an_invalid_completion_leaves_the_jobs_credit_in_use() {
         in_use().await == 0.0
     })
     .await;
+}
+
+/// A gateway played by the test over the broker link protocol: it links to every
+/// broker (reconnecting to those that are down), registers one stream of
+/// `job_type`, accepts every push, and answers a leader's `HeldQuery` with the
+/// asked jobs whose keys are in `hold`.
+struct PlayedGateway {
+    pushes: Arc<Mutex<Vec<PushJob>>>,
+    queries: Arc<Mutex<Vec<HeldQuery>>>,
+    hold: Arc<Mutex<BTreeSet<i64>>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl PlayedGateway {
+    fn start(brokers: &[String], job_type: &str) -> PlayedGateway {
+        let mut g = PlayedGateway {
+            pushes: Arc::default(),
+            queries: Arc::default(),
+            hold: Arc::default(),
+            tasks: Vec::new(),
+        };
+        g.tasks = brokers
+            .iter()
+            .map(|addr| {
+                let (addr, job_type) = (addr.clone(), job_type.to_string());
+                let (pushes, queries, hold) = (g.pushes.clone(), g.queries.clone(), g.hold.clone());
+                tokio::spawn(async move {
+                    loop {
+                        Self::serve(&addr, &job_type, &pushes, &queries, &hold).await;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                })
+            })
+            .collect();
+        g
+    }
+
+    /// One link to the broker at `addr`, until it breaks.
+    async fn serve(
+        addr: &str,
+        job_type: &str,
+        pushes: &Mutex<Vec<PushJob>>,
+        queries: &Mutex<Vec<HeldQuery>>,
+        hold: &Mutex<BTreeSet<i64>>,
+    ) {
+        use courier_proto::cluster::{
+            broker_client::BrokerClient, broker_message, gateway_message, GatewayHello,
+            GatewayMessage, HeldAnswer, PushAck, RegisterStream, StreamCredit, StreamProps,
+        };
+        let Ok(mut client) = BrokerClient::connect(format!("http://{addr}")).await else {
+            return;
+        };
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        let send = |kind| {
+            let _ = tx.unbounded_send(GatewayMessage { kind: Some(kind) });
+        };
+        send(gateway_message::Kind::Hello(GatewayHello {
+            gateway_id: "played-by-the-test".into(),
+        }));
+        send(gateway_message::Kind::Register(RegisterStream {
+            stream_id: 1,
+            props: Some(StreamProps {
+                r#type: job_type.into(),
+                worker: "played".into(),
+                timeout: 60_000,
+                fetch_variable: vec![],
+                tenant_ids: vec![DEFAULT_TENANT.into()],
+            }),
+        }));
+        send(gateway_message::Kind::Credit(StreamCredit {
+            stream_id: 1,
+            free: 100,
+            received: 0,
+        }));
+        let Ok(inbound) = client.link(rx).await else {
+            return;
+        };
+        let mut inbound = inbound.into_inner();
+        while let Ok(Some(msg)) = inbound.message().await {
+            match msg.kind {
+                Some(broker_message::Kind::Push(p)) => {
+                    send(gateway_message::Kind::PushAck(PushAck {
+                        push_id: p.push_id,
+                        accepted: true,
+                        reason: String::new(),
+                    }));
+                    pushes.lock().unwrap().push(p);
+                }
+                Some(broker_message::Kind::HeldQuery(q)) => {
+                    let held = {
+                        let hold = hold.lock().unwrap();
+                        q.jobs
+                            .iter()
+                            .filter(|j| hold.contains(&j.key))
+                            .cloned()
+                            .collect()
+                    };
+                    send(gateway_message::Kind::HeldAnswer(HeldAnswer {
+                        query_id: q.query_id,
+                        held,
+                    }));
+                    queries.lock().unwrap().push(q);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The leases `key` was pushed with, in order.
+    fn leases(&self, key: i64) -> Vec<u64> {
+        self.pushes
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|p| p.job.as_ref().is_some_and(|j| j.key == key))
+            .map(|p| p.lease)
+            .collect()
+    }
+}
+
+impl Drop for PlayedGateway {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// A leader may die after committing an activation for a push but before the push
+/// leaves it, and a new leader does not carry out the effects of its predecessors'
+/// entries. So the new leader asks each gateway which of the earlier pushes it
+/// holds, and makes the others runnable again, without waiting for their (here
+/// 60 s) activation timeout. Played here by a gateway that says it got one of two
+/// pushes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_pushes_again_what_its_predecessor_pushed_to_no_one() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts {
+        partitions: 1,
+        ..ClusterOpts::default()
+    })
+    .await;
+    let c = cluster.client();
+    let addrs: Vec<String> = cluster.broker_addrs.values().cloned().collect();
+    let played = PlayedGateway::start(&addrs, "handover");
+    wait_registered(&cluster, 3.0).await;
+    let kept = c
+        .create_job(NewJob::new("handover"))
+        .await
+        .expect("create")
+        .key;
+    let lost = c
+        .create_job(NewJob::new("handover"))
+        .await
+        .expect("create")
+        .key;
+    wait_until(Duration::from_secs(10), "both jobs are pushed", || async {
+        played.leases(kept).len() == 1 && played.leases(lost).len() == 1
+    })
+    .await;
+    let (kept_lease, lost_lease) = (played.leases(kept)[0], played.leases(lost)[0]);
+    let kept_deadline = c.get_job(kept).await.expect("get").deadline;
+    // The gateway holds the first; the second is as good as never sent.
+    played.hold.lock().unwrap().insert(kept);
+    let victim = cluster.leaders().await[&1];
+    cluster.kill_broker(victim);
+    wait_until(
+        Duration::from_secs(15),
+        "the new leader pushes the lost job again",
+        || async { played.leases(lost).len() == 2 },
+    )
+    .await;
+    let asked: BTreeSet<(i64, u64)> = played
+        .queries
+        .lock()
+        .unwrap()
+        .iter()
+        .flat_map(|q| q.jobs.iter().map(|j| (j.key, j.lease)))
+        .collect();
+    assert_eq!(
+        asked,
+        BTreeSet::from([(kept, kept_lease), (lost, lost_lease)])
+    );
+    assert_ne!(played.leases(lost)[1], lost_lease, "a new activation");
+    assert_eq!(
+        played.leases(kept),
+        [kept_lease],
+        "the held job stays where it is"
+    );
+    let job = c.get_job(kept).await.expect("get");
+    assert_eq!(job.deadline, kept_deadline, "its activation is untouched");
+    assert_eq!(
+        cluster
+            .broker_metric("courier_broker_reconciled_pushes_total")
+            .await,
+        2.0
+    );
 }

@@ -57,6 +57,7 @@ fn create_batch(ts: i64) -> Batch {
                     stream_id: 1,
                 },
                 max: BATCH as u32,
+                gateway: "gateway-1".into(),
             }],
         }],
     }
@@ -92,7 +93,7 @@ fn loaded_state(n: usize) -> State {
                 chunk.iter().map(|_| other.clone()).collect(),
             ))],
         };
-        state.apply_batch(&batch, &mut changes);
+        state.apply_batch(1, &batch, &mut changes);
     }
     state
 }
@@ -108,12 +109,12 @@ fn engine(c: &mut Criterion) {
         b.iter(|| {
             ts += 1;
             let mut changes = Default::default();
-            let created = state.apply_batch(&create_batch(ts), &mut changes);
+            let created = state.apply_batch(1, &create_batch(ts), &mut changes);
             let keys = match created.replies.first() {
                 Some(Ok(Reply::Created(keys))) => keys.clone(),
                 other => panic!("unexpected reply {other:?}"),
             };
-            let done = state.apply_batch(&complete_batch(ts, &keys), &mut changes);
+            let done = state.apply_batch(1, &complete_batch(ts, &keys), &mut changes);
             black_box((created.effects.len(), done.effects.len(), changes.len()))
         });
     });
@@ -133,6 +134,7 @@ fn engine(c: &mut Criterion) {
                         stream_id: 1,
                     },
                     max: BATCH as u32,
+                    gateway: "gateway-1".into(),
                 },
             }],
         };
@@ -140,7 +142,7 @@ fn engine(c: &mut Criterion) {
             || base.clone(),
             |state| {
                 let mut changes = Default::default();
-                black_box(state.apply_batch(&batch, &mut changes).effects.len())
+                black_box(state.apply_batch(1, &batch, &mut changes).effects.len())
             },
             BatchSize::LargeInput,
         );

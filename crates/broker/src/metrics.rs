@@ -219,6 +219,20 @@ pub static YIELDS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )))
 });
 
+/// Push activations of earlier leaders a new leader checked with their gateway, by
+/// outcome: `held` (the gateway has it), `yielded` (it never arrived: activatable
+/// again), `gateway_gone` (no link to that gateway came up in time: activatable
+/// again), `unanswered` (left to its activation deadline).
+pub static RECONCILED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    register(built(IntCounterVec::new(
+        Opts::new(
+            "courier_broker_reconciled_pushes_total",
+            "Pushes of earlier leaders a new leader checked with their gateway, by outcome (held, yielded, gateway_gone, unanswered)",
+        ),
+        &["outcome"],
+    )))
+});
+
 /// Jobs pushed from the activatable backlog to a stream.
 pub static BACKFILLED: LazyLock<IntCounter> = LazyLock::new(|| {
     register(built(IntCounter::new(
@@ -271,6 +285,7 @@ mod tests {
         super::TRY_NEXT.inc();
         super::YIELDS.with_label_values(&["gateway"]).inc();
         super::BACKFILLED.inc();
+        super::RECONCILED.with_label_values(&["held"]).inc();
         super::EMPTY_ACTIVATIONS
             .with_label_values(&["claimed"])
             .inc();

@@ -6,13 +6,13 @@
 
 use crate::claims::{Claims, Outlook};
 use crate::engine::{
-    Batch, Effect, FlushSignal, LogCommand, Push, PushOrigin, PushTarget, Recipient,
+    Batch, EarlierPush, Effect, FlushSignal, LogCommand, Push, PushOrigin, PushTarget, Recipient,
 };
 use crate::metrics;
 use crate::raft::Raft;
 use crate::registry::{JobStreamRegistry, PushOutcome, SentPush};
 use crate::store::sm::SharedState;
-use courier_proto::cluster::{broker_message, BrokerMessage, JobFinished, JobsAvailable};
+use courier_proto::cluster::{broker_message, BrokerMessage, HeldJob, JobFinished, JobsAvailable};
 use courier_proto::domain::{
     ActivatedJob, ActivationProps, BrokerError, Command, JobKey, NodeId, PartitionId, Reply,
 };
@@ -50,6 +50,16 @@ const BACKFILL_BATCH: u32 = 512;
 /// Yields wait this long (plus up to as much again, at random) to be proposed
 /// together: refused pushes never turn into a burst of log writes.
 const YIELD_PACE: Duration = Duration::from_millis(10);
+/// How long a new leader waits for the link of a gateway it must ask about an
+/// earlier leader's pushes before it takes that gateway for gone.
+const GATEWAY_GRACE: Duration = Duration::from_secs(5);
+/// How long a gateway has to answer a `HeldQuery`; past it, the activations asked
+/// about are left to their deadlines.
+const HELD_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// The refusal of a push that a newer leader already asked the gateway about.
+const DISOWNED: &str = "disowned";
+/// Most activations asked about in one `HeldQuery`.
+const HELD_QUERY_BATCH: usize = 4096;
 
 /// The leader's wall clock in epoch ms; decided before proposing, never in apply.
 pub fn now_ms() -> i64 {
@@ -243,13 +253,7 @@ impl Partition {
         props: &ActivationProps,
         max_jobs: u32,
     ) -> Result<ActivationClaim<'_>, &'static str> {
-        // The term this replica leads in, from the server metrics (as is_leader):
-        // the full metrics change with every entry, and their lock with them.
-        let leading_term = {
-            let m = self.raft.server_metrics();
-            let m = m.borrow();
-            (m.state == ServerState::Leader).then(|| m.vote.leader_id().term)
-        };
+        let leading_term = self.leading_term();
         let mut claims = self.claims.lock().unwrap_or_else(|e| e.into_inner());
         {
             let applied = self.shared.read();
@@ -391,6 +395,13 @@ impl Partition {
             .view(key)
             .map(Reply::Job)
             .ok_or_else(|| BrokerError::NotFound(format!("job with key '{key}' was not found")))
+    }
+
+    /// The term this replica leads in, if it leads now.
+    fn leading_term(&self) -> Option<u64> {
+        let m = self.raft.server_metrics();
+        let m = m.borrow();
+        (m.state == ServerState::Leader).then(|| m.vote.leader_id().term)
     }
 
     /// Whether this replica leads its partition now.
@@ -760,6 +771,11 @@ async fn finish_push(
                     metrics::PUSHES
                         .with_label_values(&[&format!("refused_{reason}")])
                         .inc();
+                    if reason == DISOWNED {
+                        // A newer leader asked the gateway about this activation
+                        // and has made the job runnable again: nothing to do here.
+                        return;
+                    }
                 }
                 PushOutcome::Unknown => {
                     // The entry stays: the gateway may hold the job, and is told
@@ -875,6 +891,136 @@ async fn run_yields(p: Arc<Partition>, shutdown: CancellationToken) {
     }
 }
 
+/// Run by the leader of `term` once it has applied an entry of that term (and so
+/// every earlier one): the activations an earlier leader made for a push may never
+/// have been pushed (it died between the commit and the send, or its entries were
+/// committed by this leader, which does not carry out their effects). Each gateway
+/// they name is asked which of them it holds; the others are yielded and offered to
+/// the registered streams. A gateway with no link here after [`GATEWAY_GRACE`] is
+/// taken for gone, and its jobs are yielded too. One that does not answer leaves its
+/// jobs to their deadlines: running a job twice is worse than running it late.
+async fn reconcile_pushes(p: Arc<Partition>, term: u64) {
+    loop {
+        if p.leading_term() != Some(term) {
+            return;
+        }
+        let applied = p.shared.read().last_applied;
+        if applied.is_some_and(|id| id.leader_id.term == term) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let earlier = p.shared.read().state.pushed_before(term);
+    if earlier.is_empty() {
+        return;
+    }
+    let mut by_gateway: BTreeMap<String, Vec<EarlierPush>> = BTreeMap::new();
+    for e in earlier {
+        by_gateway.entry(e.gateway.clone()).or_default().push(e);
+    }
+    tracing::info!(
+        term,
+        gateways = by_gateway.len(),
+        jobs = by_gateway.values().map(Vec::len).sum::<usize>(),
+        "asking gateways about the pushes of earlier leaders"
+    );
+    let asked = by_gateway
+        .into_iter()
+        .map(|(gateway, jobs)| not_held(&p, term, gateway, jobs));
+    let lost: Vec<EarlierPush> = futures::future::join_all(asked)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    if lost.is_empty() || p.leading_term() != Some(term) {
+        return;
+    }
+    // Proposed together, so they share one entry.
+    let yields = lost.iter().map(|e| {
+        p.propose(LogCommand::Yield {
+            key: e.key,
+            lease: e.lease,
+        })
+    });
+    for r in futures::future::join_all(yields).await {
+        if let Err(e) = r {
+            tracing::debug!(error = %e, "yield of an unpushed job not applied");
+        }
+    }
+    // Unlike a job every stream refused, these were never offered to anyone.
+    for props in p.registry.all_props() {
+        p.backfill(props);
+    }
+}
+
+/// Asks `gateway` which of `jobs` it holds, and returns the others, those to yield.
+async fn not_held(
+    p: &Partition,
+    term: u64,
+    gateway: String,
+    jobs: Vec<EarlierPush>,
+) -> Vec<EarlierPush> {
+    let mut grace_ends = Instant::now() + GATEWAY_GRACE;
+    loop {
+        if p.leading_term() != Some(term) {
+            return Vec::new();
+        }
+        let Some(link) = p.registry.link_of_gateway(&gateway) else {
+            if Instant::now() >= grace_ends {
+                tracing::info!(%gateway, jobs = jobs.len(), "no link to the gateway of earlier pushes; yielding them");
+                metrics::RECONCILED
+                    .with_label_values(&["gateway_gone"])
+                    .inc_by(jobs.len() as u64);
+                return jobs;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let mut held = std::collections::HashSet::new();
+        let mut link_ended = false;
+        for chunk in jobs.chunks(HELD_QUERY_BATCH) {
+            let asked = chunk
+                .iter()
+                .map(|e| HeldJob {
+                    key: e.key.0,
+                    lease: e.lease,
+                })
+                .collect();
+            match tokio::time::timeout(HELD_ANSWER_TIMEOUT, link.query_held(p.id, asked)).await {
+                Ok(Some(answer)) => held.extend(answer.into_iter().map(|h| (h.key, h.lease))),
+                Ok(None) => {
+                    link_ended = true;
+                    break;
+                }
+                Err(_) => {
+                    tracing::warn!(%gateway, jobs = jobs.len(), "no answer about earlier pushes; leaving them to their deadlines");
+                    metrics::RECONCILED
+                        .with_label_values(&["unanswered"])
+                        .inc_by(jobs.len() as u64);
+                    return Vec::new();
+                }
+            }
+        }
+        if link_ended {
+            // Its next link gets the question; the grace starts again.
+            grace_ends = Instant::now() + GATEWAY_GRACE;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        }
+        let (kept, lost): (Vec<_>, Vec<_>) = jobs
+            .into_iter()
+            .partition(|e| held.contains(&(e.key.0, e.lease)));
+        metrics::RECONCILED
+            .with_label_values(&["held"])
+            .inc_by(kept.len() as u64);
+        metrics::RECONCILED
+            .with_label_values(&["yielded"])
+            .inc_by(lost.len() as u64);
+        tracing::info!(%gateway, held = kept.len(), yielded = lost.len(), "earlier pushes checked with their gateway");
+        return lost;
+    }
+}
+
 /// While leader: proposes TimeOut for activations past their deadline and Recur
 /// for jobs past their retry back-off. Apply re-checks both against the entry's time.
 async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
@@ -897,6 +1043,15 @@ async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
         }
         if !was_leader {
             was_leader = true;
+            if let Some(term) = p.leading_term() {
+                let (q, stop) = (p.clone(), shutdown.clone());
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = stop.cancelled() => {}
+                        _ = reconcile_pushes(q, term) => {}
+                    }
+                });
+            }
             // Parked polls may have missed notices while leadership moved, and streams
             // registered earlier may have a backlog here now.
             let types = p.shared.read().state.activatable_types();

@@ -7,7 +7,7 @@
 
 use crate::engine::{PushTarget, Recipient};
 use crate::metrics;
-use courier_proto::cluster::{broker_message, BrokerMessage, PushJob};
+use courier_proto::cluster::{broker_message, BrokerMessage, HeldJob, HeldQuery, PushJob};
 use courier_proto::domain::{ActivatedJob, ActivationProps, PartitionId};
 use dashmap::DashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -42,6 +42,9 @@ pub struct Link {
     tx: mpsc::Sender<BrokerMessage>,
     pending: DashMap<u64, oneshot::Sender<PushOutcome>>,
     next_push: AtomicU64,
+    /// `HeldQuery`s waiting for the gateway's answer, by query id.
+    queries: DashMap<u64, oneshot::Sender<Vec<HeldJob>>>,
+    next_query: AtomicU64,
 }
 
 impl Link {
@@ -93,6 +96,43 @@ impl Link {
             } else {
                 PushOutcome::Refused(reason)
             });
+        }
+    }
+
+    /// Asks the gateway which of these activations (key, lease) of `partition` it
+    /// holds. The answer, or `None` when the link ends or the question cannot be
+    /// queued; a gateway that never answers keeps the returned future waiting, so
+    /// callers bound it.
+    pub fn query_held(
+        &self,
+        partition: PartitionId,
+        jobs: Vec<HeldJob>,
+    ) -> impl std::future::Future<Output = Option<Vec<HeldJob>>> {
+        let query_id = self.next_query.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.queries.insert(query_id, tx);
+        let sent = self.send(BrokerMessage {
+            kind: Some(broker_message::Kind::HeldQuery(HeldQuery {
+                query_id,
+                partition_id: partition.0,
+                jobs,
+            })),
+        });
+        if !sent {
+            self.queries.remove(&query_id);
+        }
+        async move {
+            if !sent {
+                return None;
+            }
+            rx.await.ok()
+        }
+    }
+
+    /// The gateway answered `HeldQuery` `query_id`; unknown ids are ignored.
+    pub fn answered(&self, query_id: u64, held: Vec<HeldJob>) {
+        if let Some((_, tx)) = self.queries.remove(&query_id) {
+            let _ = tx.send(held);
         }
     }
 
@@ -176,6 +216,8 @@ impl JobStreamRegistry {
             tx,
             pending: DashMap::new(),
             next_push: AtomicU64::new(1),
+            queries: DashMap::new(),
+            next_query: AtomicU64::new(1),
         });
         self.links.insert(id, link.clone());
         (link, rx)
@@ -186,6 +228,7 @@ impl JobStreamRegistry {
     pub fn remove_link(&self, id: u64) {
         if let Some((_, link)) = self.links.remove(&id) {
             link.pending.clear();
+            link.queries.clear();
         }
         self.credits.retain(|r, _| r.link != id);
         self.streams.retain(|_, logicals| {
@@ -220,6 +263,25 @@ impl JobStreamRegistry {
             self.refund(r, 1);
         }
         Some(sent)
+    }
+
+    /// The id the gateway of link `id` gave in its hello ("" before it).
+    fn gateway_of(&self, id: u64) -> String {
+        self.links
+            .get(&id)
+            .map(|l| l.gateway.lock().unwrap_or_else(|e| e.into_inner()).clone())
+            .unwrap_or_default()
+    }
+
+    /// The open link of the gateway that said `gateway` in its hello, if any.
+    pub fn link_of_gateway(&self, gateway: &str) -> Option<Arc<Link>> {
+        if gateway.is_empty() {
+            return None;
+        }
+        self.links
+            .iter()
+            .find(|l| l.is_gateway(gateway))
+            .map(|l| l.clone())
     }
 
     /// Every open link, e.g. to announce jobs to all gateways.
@@ -275,6 +337,7 @@ impl JobStreamRegistry {
             props: l.props.clone(),
             recipient: r.clone(),
             max: held,
+            gateway: self.gateway_of(r.link),
         })
     }
 
@@ -288,6 +351,7 @@ impl JobStreamRegistry {
             props: props.clone(),
             recipient: r.clone(),
             max: held,
+            gateway: self.gateway_of(r.link),
         })
     }
 
@@ -585,6 +649,37 @@ mod tests {
         tokio::task::yield_now().await;
         reg.remove_link(id);
         assert_eq!(pending.await.expect("push"), PushOutcome::Unknown);
+    }
+
+    #[tokio::test]
+    async fn a_held_query_gets_its_own_answer_or_none_when_the_link_ends() {
+        let reg = JobStreamRegistry::default();
+        let (link, mut rx) = reg.add_link();
+        *link.gateway.lock().unwrap() = "gw-1".into();
+        assert!(reg.link_of_gateway("gw-2").is_none());
+        assert!(reg.link_of_gateway("").is_none(), "no hello is no gateway");
+        let found = reg.link_of_gateway("gw-1").expect("linked");
+        let asked = vec![HeldJob { key: 1, lease: 4 }, HeldJob { key: 2, lease: 5 }];
+        let answer = found.query_held(PartitionId(3), asked.clone());
+        let Some(BrokerMessage {
+            kind: Some(broker_message::Kind::HeldQuery(q)),
+        }) = rx.recv().await
+        else {
+            panic!("expected a held query")
+        };
+        assert_eq!((q.partition_id, q.jobs), (3, asked));
+        // Answers to other queries are ignored.
+        link.answered(q.query_id + 1, vec![]);
+        link.answered(q.query_id, vec![HeldJob { key: 2, lease: 5 }]);
+        assert_eq!(answer.await, Some(vec![HeldJob { key: 2, lease: 5 }]));
+        // The link ends before an answer: none.
+        let waiting = tokio::spawn(link.query_held(PartitionId(3), vec![]));
+        tokio::task::yield_now().await;
+        reg.remove_link(link.id);
+        assert_eq!(waiting.await.expect("query"), None);
+        // A link that cannot take the question: none at once.
+        drop(rx);
+        assert_eq!(link.query_held(PartitionId(3), vec![]).await, None);
     }
 
     #[test]

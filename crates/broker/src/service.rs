@@ -273,6 +273,7 @@ fn on_gateway_message(
             }
         }
         Some(gateway_message::Kind::PushAck(a)) => link.acked(a.push_id, a.accepted, a.reason),
+        Some(gateway_message::Kind::HeldAnswer(a)) => link.answered(a.query_id, a.held),
         Some(gateway_message::Kind::YieldJob(y)) => {
             let Some(p) = partitions.get(&y.partition_id) else {
                 tracing::warn!(

@@ -213,6 +213,20 @@ impl BrokerLink {
                 self.streams.finished(f.key, f.lease);
                 None
             }
+            Some(broker_message::Kind::HeldQuery(q)) => {
+                let (partition, asked) = (q.partition_id, q.jobs.len());
+                let answer = self.streams.held(q);
+                tracing::info!(
+                    node,
+                    partition,
+                    asked,
+                    held = answer.held.len(),
+                    "a new leader asked which of its predecessor's pushes arrived"
+                );
+                Some(GatewayMessage {
+                    kind: Some(gateway_message::Kind::HeldAnswer(answer)),
+                })
+            }
             // A kind this gateway does not know (a newer broker) decodes as None.
             None => {
                 tracing::warn!(node, "dropping a link message of unknown kind");

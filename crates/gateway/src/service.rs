@@ -592,7 +592,7 @@ impl Gateway for GatewayService {
             // the job. A valid one means the worker is done with it: its credit
             // comes back now, so the next job is on its way while this one commits.
             let command = convert::complete_request(&r).map_err(invalid)?;
-            self.0.streams.finished_here(r.job_key, since);
+            let _finishing = self.0.streams.finished_here(r.job_key, since);
             self.0.job_command(r.job_key, Ok(command), deadline).await?;
             Ok(gw::CompleteJobResponse {})
         })
@@ -613,7 +613,7 @@ impl Gateway for GatewayService {
             // the job. A valid one means the worker is done with it: its credit
             // comes back now, so the next job is on its way while this one commits.
             let command = convert::fail_request(&r).map_err(invalid)?;
-            self.0.streams.finished_here(r.job_key, since);
+            let _finishing = self.0.streams.finished_here(r.job_key, since);
             self.0.job_command(r.job_key, Ok(command), deadline).await?;
             Ok(gw::FailJobResponse {})
         })
@@ -635,7 +635,7 @@ impl Gateway for GatewayService {
             // the job. A valid one means the worker is done with it: its credit
             // comes back now, so the next job is on its way while this one commits.
             let command = convert::throw_error_request(&r).map_err(invalid)?;
-            self.0.streams.finished_here(r.job_key, since);
+            let _finishing = self.0.streams.finished_here(r.job_key, since);
             self.0.job_command(r.job_key, Ok(command), deadline).await?;
             Ok(gw::ThrowErrorResponse {})
         })

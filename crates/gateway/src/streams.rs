@@ -37,13 +37,14 @@
 //!
 //! Message flow per link: `Hello`, then `RegisterStream` and `StreamCredit` for
 //! every current stream, then `RegisterStream` / `UnregisterStream` as streams come
-//! and go, `StreamCredit` as credit changes, a `PushAck` for every `PushJob`, and
-//! `YieldJob` for jobs whose client left before taking them.
+//! and go, `StreamCredit` as credit changes, a `PushAck` for every `PushJob`,
+//! `YieldJob` for jobs whose client left before taking them, and a `HeldAnswer` for
+//! every `HeldQuery` (a new leader asking which of its predecessors' pushes arrived).
 
 use crate::metrics::{self, CreditGauges};
 use courier_proto::cluster::{
-    gateway_message, GatewayMessage, PushAck, PushJob, RegisterStream, StreamCredit, StreamProps,
-    UnregisterStream, YieldJob,
+    gateway_message, GatewayMessage, HeldAnswer, HeldJob, HeldQuery, PushAck, PushJob,
+    RegisterStream, StreamCredit, StreamProps, UnregisterStream, YieldJob,
 };
 use courier_proto::domain::{ActivationProps, NodeId};
 use courier_proto::gateway_protocol as gw;
@@ -84,6 +85,12 @@ pub const UNKNOWN_STREAM: &str = "unknown_stream";
 pub const CLIENTS_FULL: &str = "clients_full";
 /// [`PushAck::reason`] when the gateway holds its most jobs or bytes in flight.
 pub const GATEWAY_FULL: &str = "gateway_full";
+/// [`PushAck::reason`] for a push of an activation this gateway already told a newer
+/// leader it does not hold (see [`AggregatedStreams::held`]): that leader has made
+/// the job runnable again, so this late push from its predecessor must not run it.
+pub const DISOWNED: &str = "disowned";
+/// How long the gateway remembers the activations it told a leader it does not hold.
+const DISOWNED_MEMORY: Duration = Duration::from_secs(60);
 /// Yield reason of a spare job that waited until less than half its activation
 /// timeout was left: handed out now, it could time out while its worker runs it.
 pub const SPARE_STALE: &str = "spare_stale";
@@ -228,6 +235,11 @@ struct State {
     links: HashMap<NodeId, LinkEntry>,
     /// Job key -> its hand-off, so finishing is O(1).
     held: HashMap<i64, Held>,
+    /// Job key -> completions, failures and thrown errors for it on their way
+    /// through this gateway now (see [`Finishing`]).
+    finishing: HashMap<i64, u32>,
+    /// (job key, lease) a leader was told this gateway does not hold, and when.
+    disowned: HashMap<(i64, u64), Instant>,
     /// (deadline, job key) of every held job, earliest first.
     deadlines: BTreeSet<(Instant, i64)>,
     inflight_bytes: usize,
@@ -265,6 +277,8 @@ impl AggregatedStreams {
                 clients: HashMap::new(),
                 links: HashMap::new(),
                 held: HashMap::new(),
+                finishing: HashMap::new(),
+                disowned: HashMap::new(),
                 deadlines: BTreeSet::new(),
                 inflight_bytes: 0,
                 full: false,
@@ -397,12 +411,47 @@ impl AggregatedStreams {
 
     /// Job `key` is being completed, failed or thrown through this gateway by a
     /// request that started at `since`: the client is done with it, so its credit
-    /// comes back, unless it was handed off after `since` (a new activation).
-    pub fn finished_here(&self, key: i64, since: Instant) {
+    /// comes back, unless it was handed off after `since` (a new activation). Until
+    /// the returned guard is dropped (the request has its answer), a broker asking
+    /// whether this gateway holds the job hears that it does.
+    pub fn finished_here(self: &Arc<Self>, key: i64, since: Instant) -> Finishing {
         let mut st = self.lock();
-        if st.held.get(&key).is_some_and(|h| h.since <= since) {
-            st.release(key);
-            self.wake_if_dirty(&st);
+        // Only jobs pushed through here are ever asked about (not polled ones).
+        let pushed_here = match st.held.get(&key) {
+            Some(h) if h.since <= since => {
+                st.release(key);
+                self.wake_if_dirty(&st);
+                true
+            }
+            Some(_) => true,
+            None => false,
+        };
+        if pushed_here {
+            *st.finishing.entry(key).or_default() += 1;
+        }
+        Finishing {
+            streams: pushed_here.then(|| Arc::clone(self)),
+            key,
+        }
+    }
+
+    /// Which of the activations a broker asks about this gateway holds: handed to
+    /// a client (which may have left since: its worker may still finish the job) or
+    /// waiting in a buffer, under the same lease; or with a completion, failure or
+    /// thrown error on its way through here. The others are refused if their push
+    /// arrives after all (from a predecessor that was slow, not dead).
+    pub fn held(&self, q: HeldQuery) -> HeldAnswer {
+        let mut st = self.lock();
+        let now = Instant::now();
+        let (held, not): (Vec<HeldJob>, Vec<HeldJob>) = q.jobs.into_iter().partition(|j| {
+            st.held.get(&j.key).is_some_and(|h| h.lease == j.lease)
+                || st.finishing.contains_key(&j.key)
+        });
+        st.disowned
+            .extend(not.into_iter().map(|j| ((j.key, j.lease), now)));
+        HeldAnswer {
+            query_id: q.query_id,
+            held,
         }
     }
 
@@ -477,6 +526,10 @@ impl AggregatedStreams {
     /// Releases the credit of every job whose deadline is at or before `now`.
     fn sweep(&self, now: Instant) {
         let mut st = self.lock();
+        if !st.disowned.is_empty() {
+            st.disowned
+                .retain(|_, at| now.saturating_duration_since(*at) < DISOWNED_MEMORY);
+        }
         let mut released = 0usize;
         while let Some(&(deadline, key)) = st.deadlines.first() {
             if deadline > now {
@@ -725,6 +778,9 @@ impl State {
             link.streams.entry(stream_id).or_default().received += 1;
         }
         let key = b.job.key;
+        if self.disowned.contains_key(&(key, b.lease)) {
+            return Err(DISOWNED);
+        }
         // The broker activated the job again: the activation held is over.
         self.release(key);
         let bytes = b.job.variables.len() + b.job.custom_headers.len();
@@ -1172,6 +1228,31 @@ impl Drop for AttachedLink {
     }
 }
 
+/// A completion, failure or thrown error on its way through this gateway: while it
+/// lives, the job counts as held here for a broker that asks (a new leader must not
+/// make it activatable while the command that ends it is being retried towards it).
+#[must_use = "the job counts as finishing here only while this lives"]
+pub struct Finishing {
+    /// None for a job not pushed through this gateway: nobody asks about it.
+    streams: Option<Arc<AggregatedStreams>>,
+    key: i64,
+}
+
+impl Drop for Finishing {
+    fn drop(&mut self) {
+        let Some(streams) = self.streams.take() else {
+            return;
+        };
+        let mut st = streams.lock();
+        if let Some(n) = st.finishing.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                st.finishing.remove(&self.key);
+            }
+        }
+    }
+}
+
 /// One client's jobs. Dropping it (tonic drops a response stream whose client went
 /// away) removes the client at once.
 pub struct ClientStream {
@@ -1469,11 +1550,63 @@ mod tests {
         // Taking jobs from the buffer is not finishing them.
         assert_eq!(keys(&mut a), [0, 1, 2]);
         assert_eq!(ack(&l, push(id, 4)), refused(CLIENTS_FULL));
-        s.finished_here(1, Instant::now());
+        drop(s.finished_here(1, Instant::now()));
         assert_eq!(ack(&l, push(id, 5)), ok());
         assert_eq!(ack(&l, push(id, 6)), refused(CLIENTS_FULL));
         assert_eq!(keys(&mut a), [5]);
         assert_eq!(s.inflight().0, 3);
+    }
+
+    /// Which of `keys` (each asked with its own lease, `key + 500`, or a stale
+    /// one) the gateway says it holds.
+    fn held_of(s: &AggregatedStreams, asked: &[(i64, u64)]) -> Vec<i64> {
+        let answer = s.held(HeldQuery {
+            query_id: 7,
+            partition_id: 1,
+            jobs: asked
+                .iter()
+                .map(|&(key, lease)| HeldJob { key, lease })
+                .collect(),
+        });
+        assert_eq!(answer.query_id, 7);
+        answer.held.into_iter().map(|h| h.key).collect()
+    }
+
+    #[test]
+    fn a_new_leader_hears_which_pushes_are_held_here_or_finishing_through_here() {
+        let s = registry(4);
+        let (l, _rx) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
+        let id = a.stream_id();
+        // Job 1 handed over, 2 still buffered, 3 handed over and being completed,
+        // 4 never arrived; job 1 asked about under a stale lease too.
+        assert_eq!(ack(&l, push(id, 1)), ok());
+        assert_eq!(ack(&l, push(id, 3)), ok());
+        assert_eq!(keys(&mut a), [1, 3]);
+        assert_eq!(ack(&l, push(id, 2)), ok());
+        let completing = s.finished_here(3, Instant::now());
+        let asked = [(1, 501), (2, 502), (3, 503), (4, 504)];
+        assert_eq!(held_of(&s, &asked), [1, 2, 3]);
+        assert_eq!(held_of(&s, &[(1, 9)]), Vec::<i64>::new());
+        // Once the completion has its answer, job 3 is nobody's here.
+        drop(completing);
+        assert_eq!(held_of(&s, &asked), [1, 2]);
+        // A client that left may still finish what it was handed: still held. Its
+        // buffered job went back to the broker.
+        drop(a);
+        assert_eq!(held_of(&s, &asked), [1]);
+        // A completion of a job never pushed here costs no tracking.
+        let polled = s.finished_here(99, Instant::now());
+        assert!(polled.streams.is_none());
+        assert_eq!(held_of(&s, &[(99, 1)]), Vec::<i64>::new());
+        // The push of job 4 arrives late (its leader was slow, not dead): the leader
+        // that asked has made it runnable again, so it is refused. Another
+        // activation of it is not.
+        let b = s.join(t(), None);
+        let late = push(b.stream_id(), 4);
+        assert_eq!(ack(&l, late.clone()), refused(DISOWNED));
+        let again = PushJob { lease: 9, ..late };
+        assert_eq!(ack(&l, again), ok());
     }
 
     #[test]
@@ -1555,8 +1688,8 @@ mod tests {
         s.finished(1, lease(1));
         assert_eq!(ack(&l, push(id, 4)), refused(CLIENTS_FULL));
         // Completed through this gateway.
-        s.finished_here(2, Instant::now());
-        s.finished_here(2, Instant::now());
+        drop(s.finished_here(2, Instant::now()));
+        drop(s.finished_here(2, Instant::now()));
         assert_eq!(ack(&l, push(id, 4)), ok());
         assert_eq!(ack(&l, push(id, 5)), refused(CLIENTS_FULL));
         assert_eq!(s.inflight().0, 2);
@@ -1572,10 +1705,10 @@ mod tests {
         // Failed with retries left, and pushed again before the FailJob reply.
         assert_eq!(ack(&l, push(a.stream_id(), 1)), ok());
         assert_eq!(keys(&mut a), [1]);
-        s.finished_here(1, since);
+        drop(s.finished_here(1, since));
         s.timeout_updated(1, 60_000, since);
         assert_eq!(ack(&l, push(a.stream_id(), 2)), refused(CLIENTS_FULL));
-        s.finished_here(1, Instant::now());
+        drop(s.finished_here(1, Instant::now()));
         assert_eq!(ack(&l, push(a.stream_id(), 2)), ok());
     }
 
@@ -1614,7 +1747,7 @@ mod tests {
         assert_eq!(keys(&mut a), [3]);
 
         // A push without a deadline is held for the stream's activation timeout.
-        s.finished_here(3, Instant::now());
+        drop(s.finished_here(3, Instant::now()));
         assert_eq!(ack(&l, push(id, 4)), ok());
         assert_eq!(keys(&mut a), [4]);
         tokio::time::sleep(Duration::from_millis(900)).await;
@@ -1648,7 +1781,7 @@ mod tests {
         got.sort();
         assert_eq!(got, [(a.stream_id(), 0, 2), (b.stream_id(), 0, 1)]);
         // One released: one more fits, and both streams may have it.
-        s.finished_here(2, Instant::now());
+        drop(s.finished_here(2, Instant::now()));
         s.flush();
         let mut got = reports(&mut rx);
         got.sort();
@@ -1770,7 +1903,7 @@ mod tests {
         assert!(drain(&mut rx2).is_empty());
         // Three released before the flush: one report per link.
         for k in 0..3 {
-            s.finished_here(k, Instant::now());
+            drop(s.finished_here(k, Instant::now()));
         }
         s.flush();
         assert_eq!(reports(&mut rx1), [(id, 15, 5)]);
@@ -1837,7 +1970,7 @@ mod tests {
         assert_eq!(keys(&mut a), [0, 1, 2]);
         // Refused pushes count as received too.
         assert_eq!(ack(&l1, push(77, 9)), refused(UNKNOWN_STREAM));
-        s.finished_here(0, Instant::now());
+        drop(s.finished_here(0, Instant::now()));
         s.flush();
         assert_eq!(reports(&mut rx1), [(id, 6, 3)]);
         drop(l1);
@@ -1851,7 +1984,7 @@ mod tests {
         }
         assert_eq!(ack(&l1, push(id, 5)), ok());
         assert_eq!(keys(&mut a), [5]);
-        s.finished_here(1, Instant::now());
+        drop(s.finished_here(1, Instant::now()));
         s.flush();
         assert_eq!(reports(&mut rx1), [(id, 6, 1)]);
     }
@@ -1983,10 +2116,10 @@ mod tests {
         assert_eq!(keys(&mut b), [2, 4]);
         assert_eq!(s.inflight().0, 6);
         // b finishes one: the oldest spare job goes to b at once, not to a.
-        s.finished_here(4, Instant::now());
+        drop(s.finished_here(4, Instant::now()));
         assert_eq!(keys(&mut b), [5]);
         assert!(keys(&mut a).is_empty());
-        s.finished_here(1, Instant::now());
+        drop(s.finished_here(1, Instant::now()));
         assert_eq!(keys(&mut a), [6]);
         // The spare room is empty again and reported as free.
         s.flush();
@@ -2017,7 +2150,7 @@ mod tests {
         let (s, l, _rx, mut a) = one_full_client_and_two_spare_jobs();
         let id = a.stream_id();
         assert_eq!(ack(&l, push(id, 4)), refused(CLIENTS_FULL));
-        s.finished_here(1, Instant::now());
+        drop(s.finished_here(1, Instant::now()));
         assert_eq!(keys(&mut a), [2]);
         assert_eq!(ack(&l, push(id, 4)), ok());
         assert_eq!(ack(&l, push(id, 5)), refused(CLIENTS_FULL));
@@ -2029,7 +2162,7 @@ mod tests {
         // Job 2 timed out at the broker (or was canceled) while it waited.
         s.finished(2, lease(2));
         assert_eq!(s.inflight().0, 2);
-        s.finished_here(1, Instant::now());
+        drop(s.finished_here(1, Instant::now()));
         assert_eq!(keys(&mut a), [3]);
         assert_eq!(s.inflight().0, 1);
     }
@@ -2040,10 +2173,10 @@ mod tests {
         let (s, _l, mut rx, mut a) = one_full_client_and_two_spare_jobs();
         drain(&mut rx);
         tokio::time::advance(Duration::from_millis(400)).await;
-        s.finished_here(1, Instant::now());
+        drop(s.finished_here(1, Instant::now()));
         assert_eq!(keys(&mut a), [2]);
         tokio::time::advance(Duration::from_millis(200)).await;
-        s.finished_here(2, Instant::now());
+        drop(s.finished_here(2, Instant::now()));
         // Job 3 has 400 ms of its 1 s left: yielded, not handed out.
         assert!(keys(&mut a).is_empty());
         let yielded = yielded_keys(&mut rx);
@@ -2082,7 +2215,7 @@ mod tests {
             .iter()
             .all(|k| !matches!(k, Kind::YieldJob(_))));
         assert_eq!(keys(&mut b), [2]);
-        s.finished_here(2, Instant::now());
+        drop(s.finished_here(2, Instant::now()));
         assert_eq!(keys(&mut b), [1]);
     }
 

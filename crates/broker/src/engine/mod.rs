@@ -131,9 +131,20 @@ pub struct PushTarget {
     pub props: ActivationProps,
     pub recipient: Recipient,
     pub max: u32,
+    /// The id the recipient's gateway gave in its hello: recorded in the activations,
+    /// so a later leader knows which gateway to ask about them.
+    pub gateway: String,
 }
 
 impl PushTarget {
+    /// What an activation for this target records, in an entry of `term`.
+    fn pushed(&self, term: u64) -> Pushed {
+        Pushed {
+            gateway: self.gateway.clone(),
+            term,
+        }
+    }
+
     fn takes(&self, job: &Job) -> bool {
         self.props.job_type == job.job_type && self.props.tenant_ids.contains(&job.tenant_id)
     }
@@ -182,6 +193,8 @@ pub enum JobStatus {
         worker: String,
         deadline: i64,
         lease: u64,
+        /// Set when the activation was pushed rather than polled.
+        pushed: Option<Pushed>,
     },
     /// Failed with retries left; runnable again at `retry_at`.
     BackOff { retry_at: i64 },
@@ -189,6 +202,26 @@ pub enum JobStatus {
     Incident,
     /// A worker threw a business error; terminal, kept so its code and message can be read.
     ErrorThrown,
+}
+
+/// Where and when a job was activated for a push: a leader of a later term asks that
+/// gateway whether the push reached it, since the leader that made it may have died
+/// before sending it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pushed {
+    /// The gateway's id from its hello.
+    pub gateway: String,
+    /// The term of the entry that activated it: the leader of that term pushed it.
+    pub term: u64,
+}
+
+/// A push activation made by the leader of an earlier term (see
+/// [`State::pushed_before`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EarlierPush {
+    pub key: JobKey,
+    pub lease: u64,
+    pub gateway: String,
 }
 
 /// One job's record.
@@ -331,6 +364,27 @@ impl State {
             .collect()
     }
 
+    /// Jobs whose current activation was pushed by the leader of a term before
+    /// `term`: that leader may have died before the push left it, so the leader of
+    /// `term` asks their gateways which of them arrived.
+    pub fn pushed_before(&self, term: u64) -> Vec<EarlierPush> {
+        self.deadlines
+            .iter()
+            .filter_map(|(_, key)| match &self.jobs.get(key)?.status {
+                JobStatus::Activated {
+                    lease,
+                    pushed: Some(p),
+                    ..
+                } if p.term < term => Some(EarlierPush {
+                    key: *key,
+                    lease: *lease,
+                    gateway: p.gateway.clone(),
+                }),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The GetJob view of a job.
     pub fn view(&self, key: JobKey) -> Option<JobView> {
         let j = self.jobs.get(&key)?;
@@ -362,14 +416,14 @@ impl State {
         })
     }
 
-    /// Applies one log entry: one reply per command, in order, and the entry's effects
-    /// (de-duplicated, in order of first occurrence).
-    pub fn apply_batch(&mut self, batch: &Batch, changes: &mut Changes) -> Applied {
+    /// Applies one log entry of `term`: one reply per command, in order, and the
+    /// entry's effects (de-duplicated, in order of first occurrence).
+    pub fn apply_batch(&mut self, term: u64, batch: &Batch, changes: &mut Changes) -> Applied {
         let mut effects = Vec::new();
         let replies = batch
             .commands
             .iter()
-            .map(|c| self.apply(batch.ts, c, &mut effects, changes))
+            .map(|c| self.apply(batch.ts, term, c, &mut effects, changes))
             .collect();
         let mut seen = BTreeSet::new();
         effects.retain(|e| match e {
@@ -382,21 +436,22 @@ impl State {
         Applied { replies, effects }
     }
 
-    /// Applies one command at time `ts`.
+    /// Applies one command at time `ts`, of an entry of `term`.
     pub fn apply(
         &mut self,
         ts: i64,
+        term: u64,
         cmd: &LogCommand,
         effects: &mut Vec<Effect>,
         changes: &mut Changes,
     ) -> Result<Reply, BrokerError> {
         match cmd {
             LogCommand::Client { cmd, push } => {
-                let mut budget = Budget::new(push);
+                let mut budget = Budget::new(push, term);
                 self.apply_client(ts, cmd, &mut budget, effects, changes)
             }
             LogCommand::TimeOut { keys, push } => {
-                let mut budget = Budget::new(push);
+                let mut budget = Budget::new(push, term);
                 for key in keys {
                     let due = matches!(
                         self.jobs.get(key).map(|j| &j.status),
@@ -410,7 +465,7 @@ impl State {
                 Ok(Reply::Done)
             }
             LogCommand::Recur { keys, push } => {
-                let mut budget = Budget::new(push);
+                let mut budget = Budget::new(push, term);
                 for key in keys {
                     let due = matches!(
                         self.jobs.get(key).map(|j| &j.status),
@@ -435,7 +490,8 @@ impl State {
                 Ok(Reply::Done)
             }
             LogCommand::Backfill { target } => {
-                let jobs = self.activate(ts, &target.props, target.max, changes);
+                let pushed = target.pushed(term);
+                let jobs = self.activate(ts, &target.props, target.max, Some(pushed), changes);
                 for job in jobs {
                     let lease = self.lease_of(job.key);
                     effects.push(Effect::Push(Box::new(Push {
@@ -465,7 +521,7 @@ impl State {
                     .collect(),
             )),
             Command::Activate { props, max_jobs } => Ok(Reply::Activated(
-                self.activate(ts, props, *max_jobs, changes),
+                self.activate(ts, props, *max_jobs, None, changes),
             )),
             Command::Complete { key, .. } => {
                 self.expect_activated(*key, "complete")?;
@@ -597,6 +653,7 @@ impl State {
         ts: i64,
         props: &ActivationProps,
         max: u32,
+        pushed: Option<Pushed>,
         changes: &mut Changes,
     ) -> Vec<ActivatedJob> {
         let mut picked: Vec<(u64, JobKey)> = Vec::new();
@@ -609,7 +666,7 @@ impl State {
         picked.truncate(max as usize);
         picked
             .into_iter()
-            .filter_map(|(_, key)| self.activate_one(ts, key, props, changes))
+            .filter_map(|(_, key)| self.activate_one(ts, key, props, pushed.clone(), changes))
             .collect()
     }
 
@@ -618,6 +675,7 @@ impl State {
         ts: i64,
         key: JobKey,
         props: &ActivationProps,
+        pushed: Option<Pushed>,
         changes: &mut Changes,
     ) -> Option<ActivatedJob> {
         self.unindex(key);
@@ -629,6 +687,7 @@ impl State {
             worker: props.worker.clone(),
             deadline,
             lease,
+            pushed,
         };
         let activated = ActivatedJob {
             key,
@@ -663,7 +722,9 @@ impl State {
         };
         match budget.take(job) {
             Some(target) => {
-                if let Some(activated) = self.activate_one(ts, key, &target.props, changes) {
+                let pushed = Some(target.pushed(budget.term));
+                if let Some(activated) = self.activate_one(ts, key, &target.props, pushed, changes)
+                {
                     let lease = self.lease_of(key);
                     effects.push(Effect::Push(Box::new(Push {
                         target,
@@ -796,12 +857,15 @@ impl State {
 #[derive(Default)]
 struct Budget {
     slots: Vec<(PushTarget, u32)>,
+    /// The term of the entry being applied.
+    term: u64,
 }
 
 impl Budget {
-    fn new(targets: &[PushTarget]) -> Self {
+    fn new(targets: &[PushTarget], term: u64) -> Self {
         Budget {
             slots: targets.iter().map(|t| (t.clone(), t.max)).collect(),
+            term,
         }
     }
 

@@ -5,6 +5,8 @@ use courier_proto::domain::DEFAULT_TENANT;
 
 const P: PartitionId = PartitionId(1);
 const T0: i64 = 1_000_000;
+/// The term of the entries the tests apply, unless they say otherwise.
+const TERM: u64 = 3;
 
 pub(crate) fn new_job(t: &str) -> NewJob {
     NewJob {
@@ -48,8 +50,19 @@ fn run_log(
     ts: i64,
     c: LogCommand,
 ) -> (Result<Reply, BrokerError>, Vec<Effect>, Changes) {
+    run_in(s, TERM, ts, c)
+}
+
+/// Applies one command at `ts` in an entry of `term`.
+fn run_in(
+    s: &mut State,
+    term: u64,
+    ts: i64,
+    c: LogCommand,
+) -> (Result<Reply, BrokerError>, Vec<Effect>, Changes) {
     let mut changes = Changes::new();
     let applied = s.apply_batch(
+        term,
         &Batch {
             ts,
             commands: vec![c],
@@ -144,7 +157,8 @@ fn activate_takes_oldest_first_with_deadline_lease_and_filtered_variables() {
         JobStatus::Activated {
             worker: "w1".into(),
             deadline: T0 + 5010,
-            lease: 1
+            lease: 1,
+            pushed: None,
         }
     );
     // Next activation gets the next job with a new lease; the queue is then empty.
@@ -548,6 +562,7 @@ fn a_batch_answers_each_command_in_order_and_rejections_change_nothing() {
     let mut changes = Changes::new();
     let missing = JobKey::new(P, 77);
     let applied = s.apply_batch(
+        TERM,
         &Batch {
             ts: T0,
             commands: vec![
@@ -606,6 +621,7 @@ fn target(t: &str, max: u32) -> PushTarget {
             stream_id: 3,
         },
         max,
+        gateway: "gw-a".into(),
     }
 }
 
@@ -660,7 +676,11 @@ fn create_with_a_stream_activates_and_pushes_in_the_same_entry() {
         JobStatus::Activated {
             worker: "streamer".into(),
             deadline: T0 + 30_000,
-            lease: 1
+            lease: 1,
+            pushed: Some(Pushed {
+                gateway: "gw-a".into(),
+                term: TERM,
+            }),
         }
     );
     assert!(
@@ -806,6 +826,91 @@ fn updating_the_retries_of_an_incident_pushes_it() {
         ),
     );
     assert_eq!(pushes(&effects), vec![(k, 2)]);
+}
+
+#[test]
+fn a_later_leader_learns_which_activations_earlier_leaders_pushed_and_where() {
+    let mut s = State::new(P);
+    let create = |s: &mut State, term: u64, push: Vec<PushTarget>| {
+        let (reply, _, _) = run_in(
+            s,
+            term,
+            T0,
+            with_push(Command::Create(vec![new_job("a")]), push),
+        );
+        match reply {
+            Ok(Reply::Created(k)) => k[0],
+            other => panic!("created: {other:?}"),
+        }
+    };
+    // Pushed in term 3 (lease 1), polled in term 3 (lease 2), pushed in term 5
+    // through another gateway (lease 3), back-filled in term 5 (lease 4).
+    let a = create(&mut s, 3, vec![target("a", 1)]);
+    let polled = create(&mut s, 3, vec![]);
+    activate(&mut s, T0, "a", 1);
+    let mut elsewhere = target("a", 1);
+    elsewhere.gateway = "gw-b".into();
+    let c = create(&mut s, 5, vec![elsewhere]);
+    let d = create(&mut s, 5, vec![]);
+    let (_, effects, _) = run_in(
+        &mut s,
+        5,
+        T0,
+        LogCommand::Backfill {
+            target: target("a", 5),
+        },
+    );
+    assert_eq!(pushes(&effects), vec![(d, 4)]);
+    assert!(matches!(
+        status(&s, polled),
+        JobStatus::Activated {
+            lease: 2,
+            pushed: None,
+            ..
+        }
+    ));
+    let listed = |s: &State, term: u64| {
+        s.pushed_before(term)
+            .into_iter()
+            .map(|e| (e.key, e.lease, e.gateway))
+            .collect::<BTreeSet<_>>()
+    };
+    let set = |v: &[(JobKey, u64, &str)]| {
+        v.iter()
+            .map(|(k, l, g)| (*k, *l, g.to_string()))
+            .collect::<BTreeSet<_>>()
+    };
+    assert!(
+        listed(&s, 3).is_empty(),
+        "its own term's pushes are the leader's own"
+    );
+    assert_eq!(listed(&s, 5), set(&[(a, 1, "gw-a")]));
+    assert_eq!(
+        listed(&s, 6),
+        set(&[(a, 1, "gw-a"), (c, 3, "gw-b"), (d, 4, "gw-a")])
+    );
+    // An activation that ended is not asked about; a new one is, by its own lease.
+    assert!(
+        run_in(&mut s, 6, T0 + 1, LogCommand::Yield { key: a, lease: 1 })
+            .0
+            .is_ok()
+    );
+    assert!(run_in(
+        &mut s,
+        6,
+        T0 + 2,
+        LogCommand::client(Command::Cancel { key: c })
+    )
+    .0
+    .is_ok());
+    let timeout = LogCommand::TimeOut {
+        keys: vec![d],
+        push: vec![target("a", 1)],
+    };
+    assert!(run_in(&mut s, 6, T0 + 30_000, timeout).0.is_ok());
+    assert!(matches!(status(&s, a), JobStatus::Activatable { .. }));
+    assert_eq!(listed(&s, 7), set(&[(d, 5, "gw-a")]));
+    assert!(listed(&s, 6).is_empty());
 }
 
 #[test]

@@ -277,7 +277,10 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 a.last_applied = Some(entry.log_id);
                 let reply = match entry.payload {
                     EntryPayload::Blank => Applied::default(),
-                    EntryPayload::Normal(batch) => a.state.apply_batch(&batch, &mut changes),
+                    EntryPayload::Normal(batch) => {
+                        a.state
+                            .apply_batch(entry.log_id.leader_id.term, &batch, &mut changes)
+                    }
                     EntryPayload::Membership(m) => {
                         a.membership = StoredMembership::new(Some(entry.log_id), m);
                         Applied::default()
