@@ -46,6 +46,42 @@ impl std::str::FromStr for Durability {
     }
 }
 
+/// The version of what a broker writes to its data directory (log entries, jobs,
+/// snapshots), kept in the directory's `FORMAT` file. 2: activations record the
+/// gateway and term of their push.
+pub const DATA_FORMAT: u32 = 2;
+
+/// Makes sure `dir` holds data this broker can read: a new directory is marked with
+/// [`DATA_FORMAT`]; one written in another format (or before formats were marked)
+/// is refused with what to do, instead of being misread.
+pub fn check_format(dir: &Path) -> Result<(), String> {
+    let marker = dir.join("FORMAT");
+    let refuse = |found: &str| {
+        Err(format!(
+            "the data directory {} was written by another version of Courier ({found}); \
+             this broker reads format {DATA_FORMAT}. Run the version that wrote it, or \
+             remove the directory (its jobs are lost) to start afresh",
+            dir.display()
+        ))
+    };
+    match std::fs::read_to_string(&marker) {
+        Ok(text) => match text.trim().parse::<u32>() {
+            Ok(v) if v == DATA_FORMAT => Ok(()),
+            Ok(v) => refuse(&format!("format {v}")),
+            Err(_) => refuse(&format!("unreadable FORMAT file {:?}", text.trim())),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if dir.join("db").exists() {
+                return refuse("format 1, from before formats were marked");
+            }
+            std::fs::create_dir_all(dir)
+                .and_then(|()| std::fs::write(&marker, format!("{DATA_FORMAT}\n")))
+                .map_err(|e| format!("cannot mark {}: {e}", marker.display()))
+        }
+        Err(e) => Err(format!("cannot read {}: {e}", marker.display())),
+    }
+}
+
 /// Flush period of the `replicated` durability mode.
 pub const REPLICATED_FLUSH_INTERVAL: Duration = Duration::from_millis(50);
 
@@ -352,6 +388,29 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let db = Db::open(dir.path(), Durability::Fsync).unwrap();
         (dir, db)
+    }
+
+    #[test]
+    fn a_data_directory_of_another_format_is_refused_and_a_new_one_is_marked() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("broker");
+        check_format(&data).expect("a new directory");
+        assert_eq!(
+            std::fs::read_to_string(data.join("FORMAT")).unwrap(),
+            format!("{DATA_FORMAT}\n")
+        );
+        check_format(&data).expect("its own format");
+        std::fs::write(data.join("FORMAT"), "1").unwrap();
+        let e = check_format(&data).unwrap_err();
+        assert!(
+            e.contains("format 1") && e.contains("remove the directory"),
+            "{e}"
+        );
+        // Data from before the marker existed.
+        let old = dir.path().join("old");
+        std::fs::create_dir_all(old.join("db")).unwrap();
+        let e = check_format(&old).unwrap_err();
+        assert!(e.contains("before formats were marked"), "{e}");
     }
 
     /// What waits for a flush runs after the syncer's next fdatasync, in order, with
