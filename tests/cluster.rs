@@ -434,6 +434,19 @@ async fn bad_input_gets_the_status_zeebe_clients_expect() {
         code(c.complete_job(key + 1000, "").await),
         Some(Code::NotFound)
     );
+    // Keys that name no partition name no job, as in Zeebe.
+    for bogus in [0, -1, 12_345, i64::MAX] {
+        assert_eq!(
+            code(c.complete_job(bogus, "").await),
+            Some(Code::NotFound),
+            "{bogus}"
+        );
+        assert_eq!(
+            code(c.get_job(bogus).await),
+            Some(Code::NotFound),
+            "{bogus}"
+        );
+    }
     assert_eq!(
         code(c.update_job_retries(key, 0).await),
         Some(Code::InvalidArgument)

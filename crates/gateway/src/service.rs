@@ -146,12 +146,14 @@ impl Shared {
         request_deadline(request.metadata(), self.default_request_timeout)
     }
 
-    /// The partition a job key lives on; a key for a partition the cluster does not
-    /// have names no job.
+    /// The partition a job key lives on; a key that names no partition the cluster
+    /// has names no job (NOT_FOUND, as Zeebe answers).
     fn partition_of(&self, key: JobKey) -> Result<PartitionId, GatewayError> {
-        let partition = key
-            .partition()
-            .ok_or_else(|| invalid(format!("job key {key} is not a key Courier issued")))?;
+        let partition = key.partition().ok_or_else(|| {
+            BrokerError::NotFound(format!(
+                "no job with key {key}: a job key carries its partition in its top bits, and this one names none"
+            ))
+        })?;
         let count = self.topology.partitions_count();
         if count > 0 && partition.0 > count {
             return Err(BrokerError::NotFound(format!(
@@ -812,7 +814,7 @@ impl Jobs for JobsService {
         let r = request.into_inner();
         let span = tracing::info_span!("GetJob", job_key = r.key);
         unary("GetJob", span, async {
-            let key = convert::job_key_request(r.key).map_err(invalid)?;
+            let key = JobKey(r.key);
             match self
                 .0
                 .on_job(key, Request::GetJob { key }, deadline)
@@ -835,8 +837,8 @@ impl Jobs for JobsService {
         let r = request.into_inner();
         let span = tracing::info_span!("CancelJob", job_key = r.key);
         unary("CancelJob", span, async {
-            let command = convert::job_key_request(r.key).map(|key| Command::Cancel { key });
-            self.0.job_command(r.key, command, deadline).await?;
+            let command = Command::Cancel { key: JobKey(r.key) };
+            self.0.job_command(r.key, Ok(command), deadline).await?;
             Ok(v1::CancelJobResponse {})
         })
         .await

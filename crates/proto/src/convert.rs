@@ -63,17 +63,9 @@ fn activation_props(
     })
 }
 
-fn key(k: i64) -> Result<JobKey, String> {
-    let key = JobKey(k);
-    match key.partition() {
-        Some(_) => Ok(key),
-        None => Err(format!("job key {k} is not a key Courier issued")),
-    }
-}
-
 pub fn complete_request(r: &gw::CompleteJobRequest) -> Result<Command, String> {
     Ok(Command::Complete {
-        key: key(r.job_key)?,
+        key: JobKey(r.job_key),
         variables: validate::optional_json_object("variables", &r.variables)?,
     })
 }
@@ -86,7 +78,7 @@ pub fn fail_request(r: &gw::FailJobRequest) -> Result<Command, String> {
         ));
     }
     Ok(Command::Fail {
-        key: key(r.job_key)?,
+        key: JobKey(r.job_key),
         retries: r.retries,
         error_message: r.error_message.clone(),
         retry_backoff_ms: r.retry_back_off,
@@ -97,7 +89,7 @@ pub fn fail_request(r: &gw::FailJobRequest) -> Result<Command, String> {
 pub fn throw_error_request(r: &gw::ThrowErrorRequest) -> Result<Command, String> {
     validate::non_blank("errorCode", &r.error_code)?;
     Ok(Command::ThrowError {
-        key: key(r.job_key)?,
+        key: JobKey(r.job_key),
         error_code: r.error_code.clone(),
         error_message: r.error_message.clone(),
         variables: validate::optional_json_object("variables", &r.variables)?,
@@ -109,14 +101,14 @@ pub fn update_retries_request(r: &gw::UpdateJobRetriesRequest) -> Result<Command
         return Err(format!("retries must be at least 1, got {}", r.retries));
     }
     Ok(Command::UpdateRetries {
-        key: key(r.job_key)?,
+        key: JobKey(r.job_key),
         retries: r.retries,
     })
 }
 
 pub fn update_timeout_request(r: &gw::UpdateJobTimeoutRequest) -> Result<Command, String> {
     Ok(Command::UpdateTimeout {
-        key: key(r.job_key)?,
+        key: JobKey(r.job_key),
         timeout_ms: validate::positive_ms("timeout", r.timeout)?,
     })
 }
@@ -142,10 +134,6 @@ pub fn create_request(r: &v1::CreateJobRequest) -> Result<NewJob, String> {
             element_instance_key: r.element_instance_key,
         },
     })
-}
-
-pub fn job_key_request(k: i64) -> Result<JobKey, String> {
-    key(k)
 }
 
 impl From<ActivatedJob> for gw::ActivatedJob {
@@ -259,12 +247,7 @@ mod tests {
     }
 
     #[test]
-    fn key_commands_reject_foreign_keys_and_bad_input() {
-        let r = gw::CompleteJobRequest {
-            job_key: 5,
-            variables: String::new(),
-        };
-        assert!(complete_request(&r).unwrap_err().contains("not a key"));
+    fn key_commands_reject_bad_input() {
         let k = JobKey::new(PartitionId(1), 1).0;
         let r = gw::CompleteJobRequest {
             job_key: k,
