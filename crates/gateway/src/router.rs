@@ -283,12 +283,15 @@ fn is_connect_error(status: &tonic::Status) -> bool {
 /// The deadline of an incoming request: its `grpc-timeout` if it has a valid one,
 /// else `default` from now.
 pub fn request_deadline(metadata: &tonic::metadata::MetadataMap, default: Duration) -> Instant {
-    let timeout = metadata
+    instant_after(stated_timeout(metadata).unwrap_or(default))
+}
+
+/// The request's valid `grpc-timeout`, if it has one.
+pub fn stated_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Duration> {
+    metadata
         .get("grpc-timeout")
         .and_then(|v| v.to_str().ok())
         .and_then(parse_grpc_timeout)
-        .unwrap_or(default);
-    instant_after(timeout)
 }
 
 /// `now + d`, saturating at a year from now.

@@ -5,7 +5,7 @@
 use crate::error::GatewayError;
 use crate::long_poll::{LongPollQueue, Waiter};
 use crate::metrics::{self, RequestObserver};
-use crate::router::{instant_after, request_deadline, Router};
+use crate::router::{instant_after, request_deadline, stated_timeout, Router};
 use crate::streams::{AggregatedStreams, MAX_CLIENT_CREDIT};
 use crate::topology::{ClusterView, Topology};
 use courier_proto::convert;
@@ -413,6 +413,26 @@ fn stated_credit(metadata: &tonic::metadata::MetadataMap) -> Option<u32> {
     credit
 }
 
+/// How long an ActivateJobs call may take: its `grpc-timeout` when it states one;
+/// otherwise long enough for its long poll (its `requestTimeout`, or the gateway's
+/// default when 0) to run its course, and never less than the default for requests.
+fn activate_timeout(
+    stated: Option<Duration>,
+    request_timeout_ms: i64,
+    default_request: Duration,
+    default_long_poll: Duration,
+) -> Duration {
+    if let Some(t) = stated {
+        return t;
+    }
+    let poll = match request_timeout_ms {
+        t if t < 0 => Duration::ZERO,
+        0 => default_long_poll,
+        t => Duration::from_millis(t.unsigned_abs()),
+    };
+    default_request.max(poll.saturating_add(2 * LONG_POLL_MARGIN))
+}
+
 fn invalid(message: impl Into<String>) -> GatewayError {
     GatewayError::InvalidArgument(message.into())
 }
@@ -477,8 +497,14 @@ impl Gateway for GatewayService {
         request: tonic::Request<gw::ActivateJobsRequest>,
     ) -> Result<Response<Self::ActivateJobsStream>, Status> {
         let observer = RequestObserver::start("ActivateJobs");
-        let deadline = self.0.deadline(&request);
+        let stated = stated_timeout(request.metadata());
         let req = request.into_inner();
+        let deadline = instant_after(activate_timeout(
+            stated,
+            req.request_timeout,
+            self.0.default_request_timeout,
+            self.0.default_long_poll,
+        ));
         let span = tracing::info_span!(
             "ActivateJobs",
             job_type = %req.r#type,
@@ -966,6 +992,27 @@ mod tests {
         let e = create_batch(&[ok, bad]).unwrap_err();
         assert!(matches!(e, GatewayError::InvalidArgument(_)));
         assert!(e.to_string().starts_with("jobs[1]: variables"), "{e}");
+    }
+
+    #[test]
+    fn a_long_poll_without_a_grpc_timeout_runs_its_request_timeout() {
+        let (s, ms) = (Duration::from_secs(1), Duration::from_millis(1));
+        let (request, poll) = (15 * s, 10 * s);
+        // A stated deadline bounds it whatever the request timeout.
+        assert_eq!(activate_timeout(Some(3 * s), 60_000, request, poll), 3 * s);
+        // Without one: the long poll's own length, with room to answer.
+        assert_eq!(
+            activate_timeout(None, 60_000, request, poll),
+            60 * s + 200 * ms
+        );
+        assert_eq!(
+            activate_timeout(None, 0, request, 20 * s),
+            20 * s + 200 * ms
+        );
+        // Never less than any request gets.
+        assert_eq!(activate_timeout(None, 0, request, poll), request);
+        assert_eq!(activate_timeout(None, -1, request, poll), request);
+        assert_eq!(activate_timeout(None, 500, request, poll), request);
     }
 
     #[test]
