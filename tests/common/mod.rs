@@ -484,6 +484,12 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         if std::thread::panicking() {
             self.dump_logs();
+            // The whole of every log, and the data, for whoever looks into it.
+            self.dir.disable_cleanup(true);
+            eprintln!(
+                "----- the cluster's logs and data are kept in {} -----",
+                self.dir.path().display()
+            );
         }
         for p in self.brokers.values_mut() {
             p.kill();

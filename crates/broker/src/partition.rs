@@ -56,6 +56,9 @@ const GATEWAY_GRACE: Duration = Duration::from_secs(5);
 /// How long a gateway has to answer a `HeldQuery`; past it, the activations asked
 /// about are left to their deadlines.
 const HELD_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a log entry may take to commit before the proposer warns about it (and
+/// again after each as long).
+const SLOW_ENTRY: Duration = Duration::from_secs(2);
 /// The refusal of a push that a newer leader already asked the gateway about.
 const DISOWNED: &str = "disowned";
 /// Most activations asked about in one `HeldQuery`.
@@ -585,14 +588,25 @@ async fn write(p: Arc<Partition>, batch: Vec<Proposal>, on_flushed: FlushSignal,
     }
     metrics::BATCH_SIZE.observe(commands.len() as f64);
     let started = std::time::Instant::now();
-    let result = p
-        .raft
-        .client_write(Batch {
-            ts: now_ms(),
-            commands,
-            on_flushed,
-        })
-        .await;
+    let count = commands.len();
+    let write = p.raft.client_write(Batch {
+        ts: now_ms(),
+        commands,
+        on_flushed,
+    });
+    tokio::pin!(write);
+    // An entry should commit in milliseconds; one that does not holds up every
+    // command behind it, so say so while it waits.
+    let result = loop {
+        match tokio::time::timeout(SLOW_ENTRY, &mut write).await {
+            Ok(result) => break result,
+            Err(_) => tracing::warn!(
+                commands = count,
+                waited = ?started.elapsed(),
+                "a log entry is taking long to commit"
+            ),
+        }
+    };
     metrics::COMMIT_SECONDS.observe(started.elapsed().as_secs_f64());
     match result {
         Ok(resp) => {
