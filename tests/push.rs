@@ -429,6 +429,68 @@ async fn a_killed_gateway_is_dropped_at_once_and_workers_move_to_another() {
     assert_eq!(unknown, 0.0, "pushes without an answer");
 }
 
+/// Jobs pushed through a gateway that dies, whether its client had them or they
+/// waited in its buffers, are lost with it: their results cannot come back through
+/// it. Once it has been gone for the grace (10 s), the leaders make them runnable
+/// again, well before their (here 120 s) activation timeout, and a worker on
+/// another gateway gets them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_pushed_through_a_gateway_that_died_reach_workers_elsewhere() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts::default()).await;
+    let other = cluster.add_gateway();
+    let c = cluster.client_of(other);
+    // A worker that takes jobs and never finishes them: 32 credit, 16 spare.
+    let mut holding =
+        open_stream(&cluster.gateway_addr, "stranded", Duration::from_secs(120)).await;
+    wait_registered(&cluster, 3.0).await;
+    let mut keys = Vec::new();
+    for _ in 0..40 {
+        keys.push(
+            c.create_job(NewJob::new("stranded"))
+                .await
+                .expect("create")
+                .key,
+        );
+    }
+    let first = next(&mut holding).await;
+    assert!(keys.contains(&first.key));
+    wait_until(Duration::from_secs(10), "every job pushed", || async {
+        cluster
+            .broker_metric("courier_broker_push_attempts_total{outcome=\"accepted\"}")
+            .await
+            >= 40.0
+    })
+    .await;
+    cluster.kill_gateway(0);
+    let killed = Instant::now();
+    let stream = open_stream(
+        &cluster.gateway_addrs[other],
+        "stranded",
+        Duration::from_secs(120),
+    )
+    .await;
+    let (got, _t) = completing_worker(c.clone(), stream);
+    wait_until(Duration::from_secs(30), "every job completed", || {
+        all_gone(&c, &keys)
+    })
+    .await;
+    eprintln!(
+        "every job completed {:?} after the gateway died",
+        killed.elapsed()
+    );
+    assert_eq!(
+        got.lock().unwrap().iter().copied().collect::<BTreeSet<_>>(),
+        keys.iter().copied().collect::<BTreeSet<_>>()
+    );
+    assert_eq!(
+        cluster
+            .broker_metric("courier_broker_reconciled_pushes_total{outcome=\"gateway_gone\"}")
+            .await,
+        40.0
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_is_told_of_a_pushed_jobs_end_only_when_another_ended_it() {
     let _g = serial().await;

@@ -50,9 +50,10 @@ const BACKFILL_BATCH: u32 = 512;
 /// Yields wait this long (plus up to as much again, at random) to be proposed
 /// together: refused pushes never turn into a burst of log writes.
 const YIELD_PACE: Duration = Duration::from_millis(10);
-/// How long a new leader waits for the link of a gateway it must ask about an
-/// earlier leader's pushes before it takes that gateway for gone.
-const GATEWAY_GRACE: Duration = Duration::from_secs(5);
+/// How long a gateway may be without a link to this broker before the jobs pushed
+/// through it are taken for lost (a new leader waits as long for the link of a
+/// gateway it must ask about its predecessors' pushes).
+const GATEWAY_GRACE: Duration = Duration::from_secs(10);
 /// How long a gateway has to answer a `HeldQuery`; past it, the activations asked
 /// about are left to their deadlines.
 const HELD_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
@@ -946,7 +947,17 @@ async fn reconcile_pushes(p: Arc<Partition>, term: u64) {
         .into_iter()
         .flatten()
         .collect();
-    if lost.is_empty() || p.leading_term() != Some(term) {
+    if p.leading_term() == Some(term) {
+        yield_lost(&p, lost).await;
+    }
+}
+
+/// Makes the activations of jobs whose push reached nobody runnable again (each
+/// only if that activation is still the job's current one), and offers them to the
+/// registered streams: unlike a job every stream refused, none was offered to
+/// anyone.
+async fn yield_lost(p: &Arc<Partition>, lost: Vec<EarlierPush>) {
+    if lost.is_empty() {
         return;
     }
     // Proposed together, so they share one entry.
@@ -961,9 +972,45 @@ async fn reconcile_pushes(p: Arc<Partition>, term: u64) {
             tracing::debug!(error = %e, "yield of an unpushed job not applied");
         }
     }
-    // Unlike a job every stream refused, these were never offered to anyone.
     for props in p.registry.all_props() {
         p.backfill(props);
+    }
+}
+
+impl Partition {
+    /// The last link of `gateway` to this broker ended. If it is not back within
+    /// [`GATEWAY_GRACE`] and this replica leads, the jobs pushed through it are made
+    /// runnable again: its ids are per process, so a gateway that restarted, or
+    /// died, holds none of them, and its workers' results for them cannot reach a
+    /// broker through it (a worker still running one may finish it through another
+    /// gateway: as with any activation timeout, the job may then run twice).
+    pub fn gateway_lost(self: &Arc<Self>, gateway: String) {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let p = self.clone();
+        let stop = self.shutdown.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(GATEWAY_GRACE) => {}
+            }
+            if !p.is_leader() || p.registry.link_of_gateway(&gateway).is_some() {
+                return;
+            }
+            let lost = p.shared.read().state.pushed_through(&gateway);
+            if lost.is_empty() {
+                return;
+            }
+            tracing::info!(%gateway, jobs = lost.len(), "a gateway did not come back; yielding the jobs pushed through it");
+            metrics::RECONCILED
+                .with_label_values(&["gateway_gone"])
+                .inc_by(lost.len() as u64);
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = yield_lost(&p, lost) => {}
+            }
+        });
     }
 }
 

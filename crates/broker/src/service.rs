@@ -219,14 +219,31 @@ type LinkStream = Pin<Box<dyn Stream<Item = Result<BrokerMessage, Status>> + Sen
 /// the registry at once, and the open-links gauge stays right.
 struct LinkGuard {
     registry: Arc<JobStreamRegistry>,
-    link: u64,
+    link: Arc<Link>,
+    partitions: Partitions,
     gauge: prometheus::IntGauge,
+    shutdown: CancellationToken,
 }
 
 impl Drop for LinkGuard {
     fn drop(&mut self) {
-        self.registry.remove_link(self.link);
+        self.registry.remove_link(self.link.id);
         self.gauge.dec();
+        if self.shutdown.is_cancelled() {
+            return;
+        }
+        // The jobs pushed through that gateway are checked on if it does not return.
+        let gateway = self
+            .link
+            .gateway
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if !gateway.is_empty() {
+            for p in self.partitions.values() {
+                p.gateway_lost(gateway.clone());
+            }
+        }
     }
 }
 
@@ -385,8 +402,10 @@ impl cluster::broker_server::Broker for BrokerService {
         gauge.inc();
         let guard = LinkGuard {
             registry: registry.clone(),
-            link: link.id,
+            link: link.clone(),
+            partitions: partitions.clone(),
             gauge,
+            shutdown: shutdown.clone(),
         };
         let out = async_stream::stream! {
             let _guard = guard;

@@ -215,8 +215,8 @@ pub struct Pushed {
     pub term: u64,
 }
 
-/// A push activation made by the leader of an earlier term (see
-/// [`State::pushed_before`]).
+/// A push activation whose push may not have arrived (see [`State::pushed_before`]
+/// and [`State::pushed_through`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EarlierPush {
     pub key: JobKey,
@@ -368,6 +368,16 @@ impl State {
     /// `term`: that leader may have died before the push left it, so the leader of
     /// `term` asks their gateways which of them arrived.
     pub fn pushed_before(&self, term: u64) -> Vec<EarlierPush> {
+        self.pushed_where(|p| p.term < term)
+    }
+
+    /// Jobs whose current activation was pushed through `gateway`, in any term: a
+    /// gateway that is gone took them with it.
+    pub fn pushed_through(&self, gateway: &str) -> Vec<EarlierPush> {
+        self.pushed_where(|p| p.gateway == gateway)
+    }
+
+    fn pushed_where(&self, wanted: impl Fn(&Pushed) -> bool) -> Vec<EarlierPush> {
         self.deadlines
             .iter()
             .filter_map(|(_, key)| match &self.jobs.get(key)?.status {
@@ -375,7 +385,7 @@ impl State {
                     lease,
                     pushed: Some(p),
                     ..
-                } if p.term < term => Some(EarlierPush {
+                } if wanted(p) => Some(EarlierPush {
                     key: *key,
                     lease: *lease,
                     gateway: p.gateway.clone(),

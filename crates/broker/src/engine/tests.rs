@@ -911,6 +911,15 @@ fn a_later_leader_learns_which_activations_earlier_leaders_pushed_and_where() {
     assert!(matches!(status(&s, a), JobStatus::Activatable { .. }));
     assert_eq!(listed(&s, 7), set(&[(d, 5, "gw-a")]));
     assert!(listed(&s, 6).is_empty());
+    // By gateway, whatever the term: what a gateway that is gone took with it.
+    let through = |g: &str| {
+        s.pushed_through(g)
+            .into_iter()
+            .map(|e| (e.key, e.lease, e.gateway))
+            .collect::<BTreeSet<_>>()
+    };
+    assert_eq!(through("gw-a"), set(&[(d, 5, "gw-a")]));
+    assert!(through("gw-b").is_empty(), "c was canceled");
 }
 
 #[test]
