@@ -75,8 +75,9 @@ async fn answers_what_it_can_without_brokers() {
         })
         .await
         .unwrap_err();
-    assert_eq!(e.code(), Code::InvalidArgument);
-    assert!(e.message().contains("job key"), "{e:?}");
+    // Its top bits name no partition: no such job, as Zeebe answers.
+    assert_eq!(e.code(), Code::NotFound);
+    assert!(e.message().contains("no job with key 5"), "{e:?}");
 
     let mut bad = activate(-1);
     bad.worker = " ".into();
