@@ -575,9 +575,10 @@ async fn an_invalid_completion_leaves_the_jobs_credit_in_use() {
 }
 
 /// A gateway played by the test over the broker link protocol: it links to every
-/// broker (reconnecting to those that are down), registers one stream of
-/// `job_type`, accepts every push, and answers a leader's `HeldQuery` with the
-/// asked jobs whose keys are in `hold`.
+/// broker (reconnecting to those that are down) as `id`, registers one stream of
+/// `job_type` with `credit`, accepts every push (or refuses every one as
+/// "clients_full"), and answers a leader's `HeldQuery` with the asked jobs whose
+/// keys are in `hold`.
 struct PlayedGateway {
     pushes: Arc<Mutex<Vec<PushJob>>>,
     queries: Arc<Mutex<Vec<HeldQuery>>>,
@@ -587,6 +588,16 @@ struct PlayedGateway {
 
 impl PlayedGateway {
     fn start(brokers: &[String], job_type: &str) -> PlayedGateway {
+        Self::start_as(brokers, job_type, "played-by-the-test", 100, true)
+    }
+
+    fn start_as(
+        brokers: &[String],
+        job_type: &str,
+        id: &str,
+        credit: u32,
+        accept: bool,
+    ) -> PlayedGateway {
         let mut g = PlayedGateway {
             pushes: Arc::default(),
             queries: Arc::default(),
@@ -596,11 +607,16 @@ impl PlayedGateway {
         g.tasks = brokers
             .iter()
             .map(|addr| {
-                let (addr, job_type) = (addr.clone(), job_type.to_string());
+                let (addr, job_type, id) = (addr.clone(), job_type.to_string(), id.to_string());
                 let (pushes, queries, hold) = (g.pushes.clone(), g.queries.clone(), g.hold.clone());
                 tokio::spawn(async move {
                     loop {
-                        Self::serve(&addr, &job_type, &pushes, &queries, &hold).await;
+                        let me = Played {
+                            id: &id,
+                            credit,
+                            accept,
+                        };
+                        Self::serve(&addr, &job_type, me, &pushes, &queries, &hold).await;
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
                 })
@@ -613,6 +629,7 @@ impl PlayedGateway {
     async fn serve(
         addr: &str,
         job_type: &str,
+        me: Played<'_>,
         pushes: &Mutex<Vec<PushJob>>,
         queries: &Mutex<Vec<HeldQuery>>,
         hold: &Mutex<BTreeSet<i64>>,
@@ -629,7 +646,7 @@ impl PlayedGateway {
             let _ = tx.unbounded_send(GatewayMessage { kind: Some(kind) });
         };
         send(gateway_message::Kind::Hello(GatewayHello {
-            gateway_id: "played-by-the-test".into(),
+            gateway_id: me.id.into(),
         }));
         send(gateway_message::Kind::Register(RegisterStream {
             stream_id: 1,
@@ -643,7 +660,7 @@ impl PlayedGateway {
         }));
         send(gateway_message::Kind::Credit(StreamCredit {
             stream_id: 1,
-            free: 100,
+            free: me.credit,
             received: 0,
         }));
         let Ok(inbound) = client.link(rx).await else {
@@ -655,8 +672,8 @@ impl PlayedGateway {
                 Some(broker_message::Kind::Push(p)) => {
                     send(gateway_message::Kind::PushAck(PushAck {
                         push_id: p.push_id,
-                        accepted: true,
-                        reason: String::new(),
+                        accepted: me.accept,
+                        reason: if me.accept { "" } else { "clients_full" }.into(),
                     }));
                     pushes.lock().unwrap().push(p);
                 }
@@ -690,6 +707,14 @@ impl PlayedGateway {
             .map(|p| p.lease)
             .collect()
     }
+}
+
+/// Who a [`PlayedGateway`] is on its links.
+#[derive(Clone, Copy)]
+struct Played<'a> {
+    id: &'a str,
+    credit: u32,
+    accept: bool,
 }
 
 impl Drop for PlayedGateway {
@@ -769,4 +794,68 @@ async fn a_new_leader_pushes_again_what_its_predecessor_pushed_to_no_one() {
             .await,
         2.0
     );
+}
+
+/// A push the gateway its activation names refused may have been taken by another
+/// gateway of the same logical stream: a new leader asks every gateway, not only
+/// the one named, and leaves the job with the one that holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_leaves_a_job_with_the_gateway_that_took_it_after_another_refused() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts {
+        partitions: 1,
+        ..ClusterOpts::default()
+    })
+    .await;
+    let c = cluster.client();
+    let addrs: Vec<String> = cluster.broker_addrs.values().cloned().collect();
+    // The leader tries the one with the most credit first: the one that refuses.
+    let refusing = PlayedGateway::start_as(&addrs, "second", "refusing", 200, false);
+    let taking = PlayedGateway::start_as(&addrs, "second", "taking", 100, true);
+    wait_registered(&cluster, 6.0).await;
+    let key = c
+        .create_job(NewJob::new("second"))
+        .await
+        .expect("create")
+        .key;
+    wait_until(
+        Duration::from_secs(10),
+        "the second gateway takes the job",
+        || async { taking.leases(key).len() == 1 },
+    )
+    .await;
+    assert_eq!(
+        refusing.leases(key),
+        taking.leases(key),
+        "tried there first"
+    );
+    taking.hold.lock().unwrap().insert(key);
+    let deadline = c.get_job(key).await.expect("get").deadline;
+    let victim = cluster.leaders().await[&1];
+    cluster.kill_broker(victim);
+    wait_until(
+        Duration::from_secs(15),
+        "the new leader checked the push",
+        || async {
+            cluster
+                .broker_metric("courier_broker_reconciled_pushes_total")
+                .await
+                >= 1.0
+        },
+    )
+    .await;
+    assert_eq!(
+        cluster
+            .broker_metric("courier_broker_reconciled_pushes_total{outcome=\"held\"}")
+            .await,
+        1.0,
+        "the job stays with the gateway that took it"
+    );
+    assert!(
+        !refusing.queries.lock().unwrap().is_empty(),
+        "asked as well"
+    );
+    assert!(!taking.queries.lock().unwrap().is_empty(), "asked");
+    assert_eq!(taking.leases(key).len(), 1, "not pushed again");
+    assert_eq!(c.get_job(key).await.expect("get").deadline, deadline);
 }

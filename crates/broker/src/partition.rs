@@ -20,7 +20,7 @@ use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::ServerState;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{broadcast, mpsc, oneshot, Notify};
@@ -909,11 +909,11 @@ async fn run_yields(p: Arc<Partition>, shutdown: CancellationToken) {
 /// Run by the leader of `term` once it has applied an entry of that term (and so
 /// every earlier one): the activations an earlier leader made for a push may never
 /// have been pushed (it died between the commit and the send, or its entries were
-/// committed by this leader, which does not carry out their effects). Each gateway
-/// they name is asked which of them it holds; the others are yielded and offered to
-/// the registered streams. A gateway with no link here after [`GATEWAY_GRACE`] is
-/// taken for gone, and its jobs are yielded too. One that does not answer leaves its
-/// jobs to their deadlines: running a job twice is worse than running it late.
+/// committed by this leader, which does not carry out their effects). Once the
+/// gateways they name are linked here (or [`GATEWAY_GRACE`] has passed), every
+/// linked gateway is asked which of them it holds; those none holds are yielded and
+/// offered to the registered streams. When a gateway does not answer, all are left
+/// to their deadlines: running a job twice is worse than running it late.
 async fn reconcile_pushes(p: Arc<Partition>, term: u64) {
     loop {
         if p.leading_term() != Some(term) {
@@ -929,27 +929,99 @@ async fn reconcile_pushes(p: Arc<Partition>, term: u64) {
     if earlier.is_empty() {
         return;
     }
-    let mut by_gateway: BTreeMap<String, Vec<EarlierPush>> = BTreeMap::new();
-    for e in earlier {
-        by_gateway.entry(e.gateway.clone()).or_default().push(e);
-    }
+    let named: BTreeSet<String> = earlier.iter().map(|e| e.gateway.clone()).collect();
     tracing::info!(
         term,
-        gateways = by_gateway.len(),
-        jobs = by_gateway.values().map(Vec::len).sum::<usize>(),
-        "asking gateways about the pushes of earlier leaders"
+        gateways = named.len(),
+        jobs = earlier.len(),
+        "asking the gateways about the pushes of earlier leaders"
     );
-    let asked = by_gateway
-        .into_iter()
-        .map(|(gateway, jobs)| not_held(&p, term, gateway, jobs));
-    let lost: Vec<EarlierPush> = futures::future::join_all(asked)
-        .await
-        .into_iter()
-        .flatten()
-        .collect();
+    let grace_ends = Instant::now() + GATEWAY_GRACE;
+    while named
+        .iter()
+        .any(|g| p.registry.link_of_gateway(g).is_none())
+        && Instant::now() < grace_ends
+    {
+        if p.leading_term() != Some(term) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let Some(lost) = held_by_none(&p, earlier).await else {
+        return;
+    };
     if p.leading_term() == Some(term) {
         yield_lost(&p, lost).await;
     }
+}
+
+/// Which of `jobs` no gateway linked here holds. Every linked gateway is asked, not
+/// only the one each activation names: a push that gateway refused may have been
+/// taken by another. `None` when a gateway did not answer: the caller then leaves
+/// them all to their deadlines. Counts the outcomes.
+async fn held_by_none(p: &Partition, jobs: Vec<EarlierPush>) -> Option<Vec<EarlierPush>> {
+    let asked: Vec<HeldJob> = jobs
+        .iter()
+        .map(|e| HeldJob {
+            key: e.key.0,
+            lease: e.lease,
+        })
+        .collect();
+    let links = p.registry.links();
+    let answers = links.iter().map(|link| {
+        let asked = &asked;
+        async move {
+            let mut held = Vec::new();
+            for chunk in asked.chunks(HELD_QUERY_BATCH) {
+                let answer = tokio::time::timeout(
+                    HELD_ANSWER_TIMEOUT,
+                    link.query_held(p.id, chunk.to_vec()),
+                )
+                .await;
+                // No answer in time, or the link ended before it: not known.
+                held.extend(answer.ok().flatten()?);
+            }
+            Some(held)
+        }
+    });
+    let mut held = std::collections::HashSet::new();
+    for answer in futures::future::join_all(answers).await {
+        let Some(answer) = answer else {
+            tracing::warn!(
+                jobs = jobs.len(),
+                "a gateway did not answer about earlier pushes; leaving them to their deadlines"
+            );
+            metrics::RECONCILED
+                .with_label_values(&["unanswered"])
+                .inc_by(jobs.len() as u64);
+            return None;
+        };
+        held.extend(answer.into_iter().map(|h| (h.key, h.lease)));
+    }
+    let (kept, lost): (Vec<_>, Vec<_>) = jobs
+        .into_iter()
+        .partition(|e| held.contains(&(e.key.0, e.lease)));
+    let gone = lost
+        .iter()
+        .filter(|e| p.registry.link_of_gateway(&e.gateway).is_none())
+        .count();
+    for (outcome, n) in [
+        ("held", kept.len()),
+        ("yielded", lost.len() - gone),
+        ("gateway_gone", gone),
+    ] {
+        metrics::RECONCILED
+            .with_label_values(&[outcome])
+            .inc_by(n as u64);
+    }
+    tracing::info!(
+        gateways = links.len(),
+        held = kept.len(),
+        yielded = lost.len(),
+        of_gateways_gone = gone,
+        "pushes of earlier leaders or lost gateways checked"
+    );
+    Some(lost)
 }
 
 /// Makes the activations of jobs whose push reached nobody runnable again (each
@@ -978,13 +1050,15 @@ async fn yield_lost(p: &Arc<Partition>, lost: Vec<EarlierPush>) {
 }
 
 impl Partition {
-    /// The last link of `gateway` to this broker ended. If it is not back within
-    /// [`GATEWAY_GRACE`] and this replica leads, the jobs pushed through it are made
-    /// runnable again: its ids are per process, so a gateway that restarted, or
-    /// died, holds none of them, and its workers' results for them cannot reach a
-    /// broker through it (a worker still running one may finish it through another
-    /// gateway: as with any activation timeout, the job may then run twice).
-    pub fn gateway_lost(self: &Arc<Self>, gateway: String) {
+    /// A link of `gateway` to this broker ended when the registry had seen `hellos`
+    /// gateway hellos. If that gateway has not said hello again within
+    /// [`GATEWAY_GRACE`] and this replica leads, the jobs pushed through it that no
+    /// linked gateway holds are made runnable again: its ids are per process, so a
+    /// gateway that restarted, or died, holds none of them, and its workers' results
+    /// for them cannot reach a broker through it (a worker still running one may
+    /// finish it through another gateway: as after any activation timeout, the job
+    /// may then run twice).
+    pub fn gateway_lost(self: &Arc<Self>, gateway: String, hellos: u64) {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
@@ -995,90 +1069,23 @@ impl Partition {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(GATEWAY_GRACE) => {}
             }
-            if !p.is_leader() || p.registry.link_of_gateway(&gateway).is_some() {
+            if !p.is_leader() || p.registry.said_hello_since(&gateway, hellos) {
                 return;
             }
-            let lost = p.shared.read().state.pushed_through(&gateway);
-            if lost.is_empty() {
+            let candidates = p.shared.read().state.pushed_through(&gateway);
+            if candidates.is_empty() {
                 return;
             }
-            tracing::info!(%gateway, jobs = lost.len(), "a gateway did not come back; yielding the jobs pushed through it");
-            metrics::RECONCILED
-                .with_label_values(&["gateway_gone"])
-                .inc_by(lost.len() as u64);
+            tracing::info!(%gateway, jobs = candidates.len(), "a gateway did not come back; checking the jobs pushed through it");
             tokio::select! {
                 _ = stop.cancelled() => {}
-                _ = yield_lost(&p, lost) => {}
+                _ = async {
+                    if let Some(lost) = held_by_none(&p, candidates).await {
+                        yield_lost(&p, lost).await;
+                    }
+                } => {}
             }
         });
-    }
-}
-
-/// Asks `gateway` which of `jobs` it holds, and returns the others, those to yield.
-async fn not_held(
-    p: &Partition,
-    term: u64,
-    gateway: String,
-    jobs: Vec<EarlierPush>,
-) -> Vec<EarlierPush> {
-    let mut grace_ends = Instant::now() + GATEWAY_GRACE;
-    loop {
-        if p.leading_term() != Some(term) {
-            return Vec::new();
-        }
-        let Some(link) = p.registry.link_of_gateway(&gateway) else {
-            if Instant::now() >= grace_ends {
-                tracing::info!(%gateway, jobs = jobs.len(), "no link to the gateway of earlier pushes; yielding them");
-                metrics::RECONCILED
-                    .with_label_values(&["gateway_gone"])
-                    .inc_by(jobs.len() as u64);
-                return jobs;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        };
-        let mut held = std::collections::HashSet::new();
-        let mut link_ended = false;
-        for chunk in jobs.chunks(HELD_QUERY_BATCH) {
-            let asked = chunk
-                .iter()
-                .map(|e| HeldJob {
-                    key: e.key.0,
-                    lease: e.lease,
-                })
-                .collect();
-            match tokio::time::timeout(HELD_ANSWER_TIMEOUT, link.query_held(p.id, asked)).await {
-                Ok(Some(answer)) => held.extend(answer.into_iter().map(|h| (h.key, h.lease))),
-                Ok(None) => {
-                    link_ended = true;
-                    break;
-                }
-                Err(_) => {
-                    tracing::warn!(%gateway, jobs = jobs.len(), "no answer about earlier pushes; leaving them to their deadlines");
-                    metrics::RECONCILED
-                        .with_label_values(&["unanswered"])
-                        .inc_by(jobs.len() as u64);
-                    return Vec::new();
-                }
-            }
-        }
-        if link_ended {
-            // Its next link gets the question; the grace starts again.
-            grace_ends = Instant::now() + GATEWAY_GRACE;
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        }
-        let (kept, lost): (Vec<_>, Vec<_>) = jobs
-            .into_iter()
-            .partition(|e| held.contains(&(e.key.0, e.lease)));
-        metrics::RECONCILED
-            .with_label_values(&["held"])
-            .inc_by(kept.len() as u64);
-        metrics::RECONCILED
-            .with_label_values(&["yielded"])
-            .inc_by(lost.len() as u64);
-        tracing::info!(%gateway, held = kept.len(), yielded = lost.len(), "earlier pushes checked with their gateway");
-        return lost;
     }
 }
 
@@ -1087,32 +1094,32 @@ async fn not_held(
 async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
     // Woken by changes of role or leader, not by every entry.
     let mut metrics_rx = p.raft.server_metrics();
-    let mut was_leader = false;
+    // The term this replica leads in, as of the last round.
+    let mut led: Option<u64> = None;
     loop {
-        if !p.is_leader() {
-            if was_leader {
+        let Some(term) = p.leading_term() else {
+            if led.take().is_some() {
                 // Ends of activations are carried out by the next leader now.
                 p.pushed.clear();
                 p.pushed_changed();
             }
-            was_leader = false;
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 r = metrics_rx.changed() => if r.is_err() { return },
             }
             continue;
-        }
-        if !was_leader {
-            was_leader = true;
-            if let Some(term) = p.leading_term() {
-                let (q, stop) = (p.clone(), shutdown.clone());
-                tokio::spawn(async move {
-                    tokio::select! {
-                        _ = stop.cancelled() => {}
-                        _ = reconcile_pushes(q, term) => {}
-                    }
-                });
-            }
+        };
+        // A new term, even one this replica won again without this task seeing it
+        // follow in between.
+        if led != Some(term) {
+            led = Some(term);
+            let (q, stop) = (p.clone(), shutdown.clone());
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    _ = reconcile_pushes(q, term) => {}
+                }
+            });
             // Parked polls may have missed notices while leadership moved, and streams
             // registered earlier may have a backlog here now.
             let types = p.shared.read().state.activatable_types();

@@ -20,6 +20,9 @@ use tokio::sync::{mpsc, oneshot};
 pub const PUSH_ACK_TIMEOUT: Duration = Duration::from_secs(5);
 /// Messages queued toward one gateway before pushes to it are refused.
 pub const LINK_QUEUE: usize = 8192;
+/// Gateways whose last hello is remembered (see [`JobStreamRegistry::hello`]) before
+/// those not linked are forgotten.
+const MAX_GATEWAYS_REMEMBERED: usize = 1024;
 
 /// How a push ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -102,15 +105,19 @@ impl Link {
     /// Asks the gateway which of these activations (key, lease) of `partition` it
     /// holds. The answer, or `None` when the link ends or the question cannot be
     /// queued; a gateway that never answers keeps the returned future waiting, so
-    /// callers bound it.
+    /// callers bound it (dropping it forgets the question).
     pub fn query_held(
-        &self,
+        self: &Arc<Self>,
         partition: PartitionId,
         jobs: Vec<HeldJob>,
     ) -> impl std::future::Future<Output = Option<Vec<HeldJob>>> {
         let query_id = self.next_query.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.queries.insert(query_id, tx);
+        let asked = Asked {
+            link: self.clone(),
+            query_id,
+        };
         let sent = self.send(BrokerMessage {
             kind: Some(broker_message::Kind::HeldQuery(HeldQuery {
                 query_id,
@@ -118,10 +125,8 @@ impl Link {
                 jobs,
             })),
         });
-        if !sent {
-            self.queries.remove(&query_id);
-        }
         async move {
+            let _asked = asked;
             if !sent {
                 return None;
             }
@@ -144,6 +149,18 @@ impl Link {
     /// Queues a message toward the gateway; false when the link is gone or full.
     pub fn send(&self, msg: BrokerMessage) -> bool {
         self.tx.try_send(msg).is_ok()
+    }
+}
+
+/// A `HeldQuery` waiting for its answer; dropped, it is forgotten.
+struct Asked {
+    link: Arc<Link>,
+    query_id: u64,
+}
+
+impl Drop for Asked {
+    fn drop(&mut self) {
+        self.link.queries.remove(&self.query_id);
     }
 }
 
@@ -201,6 +218,9 @@ pub struct JobStreamRegistry {
     credits: DashMap<Recipient, Credit>,
     links: DashMap<u64, Arc<Link>>,
     next_link: AtomicU64,
+    /// Gateway hellos heard so far, and the number of each gateway's last one.
+    hellos: AtomicU64,
+    last_hello: DashMap<String, u64>,
     /// Rotates the choice among logical streams and recipients, per lookup.
     turn: AtomicUsize,
 }
@@ -263,6 +283,32 @@ impl JobStreamRegistry {
             self.refund(r, 1);
         }
         Some(sent)
+    }
+
+    /// The gateway at the other end of `link` said hello with its id.
+    pub fn hello(&self, link: &Link, gateway: String) {
+        let n = self.hellos.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.last_hello.len() >= MAX_GATEWAYS_REMEMBERED {
+            // Gateways are ids per process: forget those that are not linked.
+            let linked: std::collections::HashSet<String> = self
+                .links
+                .iter()
+                .map(|l| l.gateway.lock().unwrap_or_else(|e| e.into_inner()).clone())
+                .collect();
+            self.last_hello.retain(|g, _| linked.contains(g));
+        }
+        self.last_hello.insert(gateway.clone(), n);
+        *link.gateway.lock().unwrap_or_else(|e| e.into_inner()) = gateway;
+    }
+
+    /// Gateway hellos heard so far: a mark to compare [`Self::said_hello_since`] with.
+    pub fn hellos(&self) -> u64 {
+        self.hellos.load(Ordering::Relaxed)
+    }
+
+    /// Whether `gateway` said hello after the `mark`-th hello.
+    pub fn said_hello_since(&self, gateway: &str, mark: u64) -> bool {
+        self.last_hello.get(gateway).is_some_and(|n| *n > mark)
     }
 
     /// The id the gateway of link `id` gave in its hello ("" before it).
@@ -655,7 +701,11 @@ mod tests {
     async fn a_held_query_gets_its_own_answer_or_none_when_the_link_ends() {
         let reg = JobStreamRegistry::default();
         let (link, mut rx) = reg.add_link();
-        *link.gateway.lock().unwrap() = "gw-1".into();
+        let mark = reg.hellos();
+        reg.hello(&link, "gw-1".into());
+        assert!(reg.said_hello_since("gw-1", mark));
+        assert!(!reg.said_hello_since("gw-1", reg.hellos()));
+        assert!(!reg.said_hello_since("gw-2", 0));
         assert!(reg.link_of_gateway("gw-2").is_none());
         assert!(reg.link_of_gateway("").is_none(), "no hello is no gateway");
         let found = reg.link_of_gateway("gw-1").expect("linked");
@@ -668,7 +718,10 @@ mod tests {
             panic!("expected a held query")
         };
         assert_eq!((q.partition_id, q.jobs), (3, asked));
-        // Answers to other queries are ignored.
+        // Answers to other queries are ignored; a question dropped unanswered is
+        // forgotten.
+        drop(found.query_held(PartitionId(3), vec![]));
+        assert_eq!(link.queries.len(), 1);
         link.answered(q.query_id + 1, vec![]);
         link.answered(q.query_id, vec![HeldJob { key: 2, lease: 5 }]);
         assert_eq!(answer.await, Some(vec![HeldJob { key: 2, lease: 5 }]));

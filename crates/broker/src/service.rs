@@ -240,8 +240,9 @@ impl Drop for LinkGuard {
             .unwrap_or_else(|e| e.into_inner())
             .clone();
         if !gateway.is_empty() {
+            let mark = self.registry.hellos();
             for p in self.partitions.values() {
-                p.gateway_lost(gateway.clone());
+                p.gateway_lost(gateway.clone(), mark);
             }
         }
     }
@@ -257,7 +258,7 @@ fn on_gateway_message(
     match msg.kind {
         Some(gateway_message::Kind::Hello(h)) => {
             tracing::info!(gateway = %h.gateway_id, link = link.id, "gateway linked");
-            *link.gateway.lock().unwrap_or_else(|e| e.into_inner()) = h.gateway_id;
+            registry.hello(link, h.gateway_id);
         }
         Some(gateway_message::Kind::Register(r)) => {
             match r.props.as_ref().map(convert::stream_props) {

@@ -43,8 +43,8 @@
 
 use crate::metrics::{self, CreditGauges};
 use courier_proto::cluster::{
-    gateway_message, GatewayMessage, HeldAnswer, HeldJob, HeldQuery, PushAck, PushJob,
-    RegisterStream, StreamCredit, StreamProps, UnregisterStream, YieldJob,
+    gateway_message, GatewayMessage, HeldAnswer, HeldQuery, PushAck, PushJob, RegisterStream,
+    StreamCredit, StreamProps, UnregisterStream, YieldJob,
 };
 use courier_proto::domain::{ActivationProps, NodeId};
 use courier_proto::gateway_protocol as gw;
@@ -437,18 +437,32 @@ impl AggregatedStreams {
 
     /// Which of the activations a broker asks about this gateway holds: handed to
     /// a client (which may have left since: its worker may still finish the job) or
-    /// waiting in a buffer, under the same lease; or with a completion, failure or
-    /// thrown error on its way through here. The others are refused if their push
-    /// arrives after all (from a predecessor that was slow, not dead).
+    /// waiting in a client's buffer, under the same lease; or with a completion,
+    /// failure or thrown error on its way through here. A job waiting in a stream's
+    /// spare room is given up instead: the broker asking makes it runnable again,
+    /// whereas a yield from here would go to the broker that pushed it, which may be
+    /// gone. The others are refused if their push arrives after all (from a
+    /// predecessor that was slow, not dead).
     pub fn held(&self, q: HeldQuery) -> HeldAnswer {
         let mut st = self.lock();
         let now = Instant::now();
-        let (held, not): (Vec<HeldJob>, Vec<HeldJob>) = q.jobs.into_iter().partition(|j| {
-            st.held.get(&j.key).is_some_and(|h| h.lease == j.lease)
-                || st.finishing.contains_key(&j.key)
-        });
-        st.disowned
-            .extend(not.into_iter().map(|j| ((j.key, j.lease), now)));
+        let mut held = Vec::new();
+        for j in q.jobs {
+            let (holds, spare) = match st.held.get(&j.key) {
+                Some(h) if h.lease == j.lease => (true, h.client_id == SPARE),
+                _ => (false, false),
+            };
+            if spare {
+                // Dropped from the spare room when reached: its hold is over.
+                st.release(j.key);
+            }
+            if (holds && !spare) || st.finishing.contains_key(&j.key) {
+                held.push(j);
+            } else {
+                st.disowned.insert((j.key, j.lease), now);
+            }
+        }
+        self.wake_if_dirty(&st);
         HeldAnswer {
             query_id: q.query_id,
             held,
@@ -1565,7 +1579,7 @@ mod tests {
             partition_id: 1,
             jobs: asked
                 .iter()
-                .map(|&(key, lease)| HeldJob { key, lease })
+                .map(|&(key, lease)| courier_proto::cluster::HeldJob { key, lease })
                 .collect(),
         });
         assert_eq!(answer.query_id, 7);
@@ -1607,6 +1621,17 @@ mod tests {
         assert_eq!(ack(&l, late.clone()), refused(DISOWNED));
         let again = PushJob { lease: 9, ..late };
         assert_eq!(ack(&l, again), ok());
+    }
+
+    #[test]
+    fn a_job_in_the_spare_room_is_given_up_to_the_leader_that_asks() {
+        // Job 1 handed to the client, 2 and 3 in the spare room.
+        let (s, _l, _rx, mut a) = one_full_client_and_two_spare_jobs();
+        assert_eq!(held_of(&s, &[(1, lease(1)), (2, lease(2))]), [1]);
+        // The other spare job still goes to the first client that frees credit;
+        // the one given up never does.
+        drop(s.finished_here(1, Instant::now()));
+        assert_eq!(keys(&mut a), [3]);
     }
 
     #[test]

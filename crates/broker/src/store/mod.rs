@@ -74,12 +74,24 @@ pub fn check_format(dir: &Path) -> Result<(), String> {
             if dir.join("db").exists() {
                 return refuse("format 1, from before formats were marked");
             }
-            std::fs::create_dir_all(dir)
-                .and_then(|()| std::fs::write(&marker, format!("{DATA_FORMAT}\n")))
+            write_durably(dir, &marker, format!("{DATA_FORMAT}\n").as_bytes())
                 .map_err(|e| format!("cannot mark {}: {e}", marker.display()))
         }
         Err(e) => Err(format!("cannot read {}: {e}", marker.display())),
     }
+}
+
+/// Writes `path` (in `dir`) whole or not at all, and makes it durable: through a
+/// temporary file, fsynced, renamed over it, and the directory fsynced.
+fn write_durably(dir: &Path, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    std::fs::create_dir_all(dir)?;
+    let tmp = path.with_extension("tmp");
+    let mut f = File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    File::open(dir)?.sync_all()
 }
 
 /// Flush period of the `replicated` durability mode.
