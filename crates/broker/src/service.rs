@@ -293,10 +293,12 @@ fn on_gateway_message(
         Some(gateway_message::Kind::PushAck(a)) => link.acked(a.push_id, a.accepted, a.reason),
         Some(gateway_message::Kind::HeldAnswer(a)) => link.answered(a.query_id, a.held),
         Some(gateway_message::Kind::YieldJob(y)) => {
-            let Some(p) = partitions.get(&y.partition_id) else {
-                tracing::warn!(
+            // Gateways send yields to every broker: only the partition's leader
+            // acts on one.
+            let Some(p) = partitions.get(&y.partition_id).filter(|p| p.is_leader()) else {
+                tracing::debug!(
                     partition = y.partition_id,
-                    "yield for a partition not hosted here dropped"
+                    "yield for a partition not led here dropped"
                 );
                 return;
             };

@@ -120,7 +120,7 @@ const SPARE: u64 = 0;
 struct Buffered {
     /// Boxed: jobs are moved from buffer to buffer; the box keeps that cheap.
     job: Box<gw::ActivatedJob>,
-    /// The broker that pushed it: a yield must reach that broker.
+    /// The broker that pushed it, for the logs (a yield goes to every broker).
     node: NodeId,
     partition: u32,
     lease: u64,
@@ -1089,32 +1089,18 @@ impl State {
                 lease: b.lease,
             })),
         };
-        // The link may have reconnected since the push: the broker is the same, and
-        // the lease makes a yield for a stale activation a no-op.
-        if self.send_to(b.node, msg, "yield") {
-            metrics::job_yielded(reason);
-            tracing::debug!(node = b.node, job_key = b.job.key, reason, "job yielded");
-        } else {
+        // To every broker, not only the one that pushed it: leadership may have
+        // moved since (that broker may be gone), and only the partition's leader
+        // acts on it. The lease makes a yield for a stale activation a no-op.
+        if self.links.is_empty() {
             // Its activation deadline makes it runnable again.
-            tracing::warn!(
-                node = b.node,
-                job_key = b.job.key,
-                "cannot yield a job: no link to its broker"
-            );
+            tracing::warn!(job_key = b.job.key, "cannot yield a job: no broker linked");
+            metrics::link_message_dropped("yield");
+            return;
         }
-    }
-
-    /// Queues `msg` on the link to `node`. A full or closed queue resets the link.
-    fn send_to(&mut self, node: NodeId, msg: GatewayMessage, kind: &'static str) -> bool {
-        let Some(link) = self.links.get(&node) else {
-            metrics::link_message_dropped(kind);
-            return false;
-        };
-        if link.tx.try_send(msg).is_ok() {
-            return true;
-        }
-        self.break_link(node, kind);
-        false
+        self.broadcast(&msg, "yield");
+        metrics::job_yielded(reason);
+        tracing::debug!(node = b.node, job_key = b.job.key, reason, "job yielded");
     }
 
     /// Queues `msg` on every link; links whose queue is full or closed are reset.
@@ -2245,7 +2231,7 @@ mod tests {
     }
 
     #[test]
-    fn jobs_no_client_can_take_are_yielded_to_the_broker_that_pushed_them() {
+    fn jobs_no_client_can_take_are_yielded_to_every_broker() {
         let s = registry(4);
         let (l1, mut rx1) = s.attach_link(1, hello());
         let (l2, mut rx2) = s.attach_link(2, hello());
@@ -2267,8 +2253,10 @@ mod tests {
                 })
                 .collect()
         };
-        assert_eq!(yields(&mut rx1), [(1, 10, 510), (1, 11, 511)]);
-        assert_eq!(yields(&mut rx2), [(1, 20, 520)]);
+        // Whichever leads the partition now acts on them; the lease guards the rest.
+        let all = [(1, 10, 510), (1, 20, 520), (1, 11, 511)];
+        assert_eq!(yields(&mut rx1), all);
+        assert_eq!(yields(&mut rx2), all);
         assert_eq!(s.stream_count(), 0);
         assert_eq!(s.inflight(), (0, 0));
     }
