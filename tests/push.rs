@@ -10,7 +10,7 @@ mod common;
 use common::{
     all_gone, serial, wait_broker_metric, wait_registered, wait_until, Cluster, ClusterOpts,
 };
-use courier_client::{Client, NewJob};
+use courier_client::{ActivateJobs, Client, NewJob};
 use courier_proto::cluster::{HeldQuery, PushJob};
 use courier_proto::domain::DEFAULT_TENANT;
 use courier_proto::gateway_protocol::{
@@ -429,23 +429,24 @@ async fn a_killed_gateway_is_dropped_at_once_and_workers_move_to_another() {
     assert_eq!(unknown, 0.0, "pushes without an answer");
 }
 
-/// Jobs pushed through a gateway that dies, whether its client had them or they
-/// waited in its buffers, are lost with it: their results cannot come back through
-/// it. Once it has been gone for the grace (10 s), the leaders make them runnable
-/// again, well before their (here 120 s) activation timeout, and a worker on
-/// another gateway gets them.
+/// Jobs handed out through a gateway that dies (pushed, whether its client had
+/// them or they waited in its buffers, or answered to a poll) are lost with it:
+/// their results cannot come back through it. Once it has been gone for the grace
+/// (10 s), the leaders make them runnable again, well before their (here 120 s)
+/// activation timeout, and a worker on another gateway gets them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_pushed_through_a_gateway_that_died_reach_workers_elsewhere() {
     let _g = serial().await;
     let mut cluster = Cluster::start(ClusterOpts::default()).await;
     let other = cluster.add_gateway();
     let c = cluster.client_of(other);
-    // A worker that takes jobs and never finishes them: 32 credit, 16 spare.
+    // A worker that takes jobs and never finishes them: 32 credit, 16 spare, all
+    // reported as credit.
     let mut holding =
         open_stream(&cluster.gateway_addr, "stranded", Duration::from_secs(120)).await;
     wait_registered(&cluster, 3.0).await;
     let mut keys = Vec::new();
-    for _ in 0..40 {
+    for _ in 0..48 {
         keys.push(
             c.create_job(NewJob::new("stranded"))
                 .await
@@ -459,9 +460,34 @@ async fn jobs_pushed_through_a_gateway_that_died_reach_workers_elsewhere() {
         cluster
             .broker_metric("courier_broker_push_attempts_total{outcome=\"accepted\"}")
             .await
-            >= 40.0
+            >= 48.0
     })
     .await;
+    // And a poller on the same gateway that never finishes what it got.
+    let poller = cluster.client_of(0);
+    for _ in 0..5 {
+        keys.push(
+            c.create_job(NewJob::new("stranded"))
+                .await
+                .expect("create")
+                .key,
+        );
+    }
+    let mut polled = 0;
+    let until = Instant::now() + Duration::from_secs(10);
+    while polled < 5 && Instant::now() < until {
+        let got = poller
+            .activate_jobs(
+                ActivateJobs::new("stranded")
+                    .max_jobs(10)
+                    .timeout(Duration::from_secs(120))
+                    .request_timeout(Duration::from_millis(500)),
+            )
+            .await
+            .expect("poll");
+        polled += got.len();
+    }
+    assert_eq!(polled, 5, "the jobs no stream had room for are polled");
     cluster.kill_gateway(0);
     let killed = Instant::now();
     let stream = open_stream(
@@ -487,7 +513,7 @@ async fn jobs_pushed_through_a_gateway_that_died_reach_workers_elsewhere() {
         cluster
             .broker_metric("courier_broker_reconciled_pushes_total{outcome=\"gateway_gone\"}")
             .await,
-        40.0
+        53.0
     );
 }
 

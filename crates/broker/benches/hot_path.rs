@@ -59,6 +59,7 @@ fn create_batch(ts: i64) -> Batch {
                 max: BATCH as u32,
                 gateway: "gateway-1".into(),
             }],
+            via: None,
         }],
     }
 }

@@ -219,10 +219,11 @@ pub static YIELDS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     )))
 });
 
-/// Push activations of earlier leaders a new leader checked with their gateway, by
-/// outcome: `held` (the gateway has it), `yielded` (it never arrived: activatable
-/// again), `gateway_gone` (no link to that gateway came up in time: activatable
-/// again), `unanswered` (left to its activation deadline).
+/// Push activations of earlier leaders a new leader checked with the gateways, and
+/// activations handed out through a gateway that did not come back, by outcome:
+/// `held` (a gateway has it), `yielded` (it never arrived: activatable again),
+/// `gateway_gone` (its gateway is gone: activatable again), `unanswered` (left to
+/// its activation deadline).
 pub static RECONCILED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     register(built(IntCounterVec::new(
         Opts::new(

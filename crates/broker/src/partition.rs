@@ -6,7 +6,7 @@
 
 use crate::claims::{Claims, Outlook};
 use crate::engine::{
-    Batch, EarlierPush, Effect, FlushSignal, LogCommand, Push, PushOrigin, PushTarget, Recipient,
+    Batch, Effect, FlushSignal, Handed, LogCommand, Push, PushOrigin, PushTarget, Recipient,
 };
 use crate::metrics;
 use crate::raft::Raft;
@@ -212,6 +212,10 @@ impl Partition {
         cmd: Command,
         gateway: Option<Arc<str>>,
     ) -> Result<Reply, BrokerError> {
+        // A poll's jobs are recorded with the gateway they go out through.
+        let via = matches!(cmd, Command::Activate { .. })
+            .then(|| gateway.as_deref().map(str::to_string))
+            .flatten();
         let ends_from = match (&cmd, gateway) {
             (
                 Command::Complete { key, .. }
@@ -236,7 +240,7 @@ impl Partition {
             _ => None,
         };
         let push = self.push_targets(&cmd);
-        self.propose_from(LogCommand::Client { cmd, push }, ends_from)
+        self.propose_from(LogCommand::Client { cmd, push, via }, ends_from)
             .await
     }
 
@@ -959,7 +963,7 @@ async fn reconcile_pushes(p: Arc<Partition>, term: u64) {
 /// only the one each activation names: a push that gateway refused may have been
 /// taken by another. `None` when a gateway did not answer: the caller then leaves
 /// them all to their deadlines. Counts the outcomes.
-async fn held_by_none(p: &Partition, jobs: Vec<EarlierPush>) -> Option<Vec<EarlierPush>> {
+async fn held_by_none(p: &Partition, jobs: Vec<Handed>) -> Option<Vec<Handed>> {
     let asked: Vec<HeldJob> = jobs
         .iter()
         .map(|e| HeldJob {
@@ -1028,7 +1032,7 @@ async fn held_by_none(p: &Partition, jobs: Vec<EarlierPush>) -> Option<Vec<Earli
 /// only if that activation is still the job's current one), and offers them to the
 /// registered streams: unlike a job every stream refused, none was offered to
 /// anyone.
-async fn yield_lost(p: &Arc<Partition>, lost: Vec<EarlierPush>) {
+async fn yield_lost(p: &Arc<Partition>, lost: Vec<Handed>) {
     if lost.is_empty() {
         return;
     }
@@ -1052,12 +1056,12 @@ async fn yield_lost(p: &Arc<Partition>, lost: Vec<EarlierPush>) {
 impl Partition {
     /// A link of `gateway` to this broker ended when the registry had seen `hellos`
     /// gateway hellos. If that gateway has not said hello again within
-    /// [`GATEWAY_GRACE`] and this replica leads, the jobs pushed through it that no
-    /// linked gateway holds are made runnable again: its ids are per process, so a
-    /// gateway that restarted, or died, holds none of them, and its workers' results
-    /// for them cannot reach a broker through it (a worker still running one may
-    /// finish it through another gateway: as after any activation timeout, the job
-    /// may then run twice).
+    /// [`GATEWAY_GRACE`] and this replica leads, the jobs handed out through it
+    /// (pushed, or answered to a poll) that no linked gateway holds are made runnable
+    /// again: its ids are per process, so a gateway that restarted, or died, holds
+    /// none of them, and its workers' results for them cannot reach a broker through
+    /// it (a worker still running one may finish it through another gateway: as
+    /// after any activation timeout, the job may then run twice).
     pub fn gateway_lost(self: &Arc<Self>, gateway: String, hellos: u64) {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
@@ -1072,11 +1076,11 @@ impl Partition {
             if !p.is_leader() || p.registry.said_hello_since(&gateway, hellos) {
                 return;
             }
-            let candidates = p.shared.read().state.pushed_through(&gateway);
+            let candidates = p.shared.read().state.handed_through(&gateway);
             if candidates.is_empty() {
                 return;
             }
-            tracing::info!(%gateway, jobs = candidates.len(), "a gateway did not come back; checking the jobs pushed through it");
+            tracing::info!(%gateway, jobs = candidates.len(), "a gateway did not come back; checking the jobs handed out through it");
             tokio::select! {
                 _ = stop.cancelled() => {}
                 _ = async {

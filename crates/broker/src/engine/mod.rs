@@ -84,8 +84,13 @@ impl Eq for FlushSignal {}
 /// A command as written to the log.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LogCommand {
-    /// A client's command, with the leader's push decisions for jobs it makes runnable.
-    Client { cmd: Command, push: Vec<PushTarget> },
+    /// A client's command, with the leader's push decisions for jobs it makes runnable
+    /// and, for an Activate, the gateway the poll came through (when it said).
+    Client {
+        cmd: Command,
+        push: Vec<PushTarget>,
+        via: Option<String>,
+    },
     /// Activations the leader's timer found past their deadline; re-checked on apply.
     TimeOut {
         keys: Vec<JobKey>,
@@ -110,6 +115,7 @@ impl LogCommand {
         LogCommand::Client {
             cmd,
             push: Vec::new(),
+            via: None,
         }
     }
 }
@@ -138,10 +144,11 @@ pub struct PushTarget {
 
 impl PushTarget {
     /// What an activation for this target records, in an entry of `term`.
-    fn pushed(&self, term: u64) -> Pushed {
-        Pushed {
+    fn via(&self, term: u64) -> Via {
+        Via {
             gateway: self.gateway.clone(),
             term,
+            pushed: true,
         }
     }
 
@@ -193,8 +200,8 @@ pub enum JobStatus {
         worker: String,
         deadline: i64,
         lease: u64,
-        /// Set when the activation was pushed rather than polled.
-        pushed: Option<Pushed>,
+        /// The gateway it went out through, when known.
+        via: Option<Via>,
     },
     /// Failed with retries left; runnable again at `retry_at`.
     BackOff { retry_at: i64 },
@@ -204,21 +211,24 @@ pub enum JobStatus {
     ErrorThrown,
 }
 
-/// Where and when a job was activated for a push: a leader of a later term asks that
-/// gateway whether the push reached it, since the leader that made it may have died
-/// before sending it.
+/// Which gateway an activation went out through, and in which term: a leader of a
+/// later term asks the gateway whether a push reached it (the leader that made it
+/// may have died before sending it), and the jobs handed out through a gateway that
+/// is gone are runnable again.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Pushed {
-    /// The gateway's id from its hello.
+pub struct Via {
+    /// The gateway's id from its hello (or its requests' header).
     pub gateway: String,
-    /// The term of the entry that activated it: the leader of that term pushed it.
+    /// The term of the entry that activated it.
     pub term: u64,
+    /// Pushed to a stream, rather than polled.
+    pub pushed: bool,
 }
 
-/// A push activation whose push may not have arrived (see [`State::pushed_before`]
-/// and [`State::pushed_through`]).
+/// A job handed out through a gateway that may not have it (see
+/// [`State::pushed_before`] and [`State::handed_through`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EarlierPush {
+pub struct Handed {
     pub key: JobKey,
     pub lease: u64,
     pub gateway: String,
@@ -366,29 +376,29 @@ impl State {
 
     /// Jobs whose current activation was pushed by the leader of a term before
     /// `term`: that leader may have died before the push left it, so the leader of
-    /// `term` asks their gateways which of them arrived.
-    pub fn pushed_before(&self, term: u64) -> Vec<EarlierPush> {
-        self.pushed_where(|p| p.term < term)
+    /// `term` asks the gateways which of them arrived.
+    pub fn pushed_before(&self, term: u64) -> Vec<Handed> {
+        self.handed_where(|v| v.pushed && v.term < term)
     }
 
-    /// Jobs whose current activation was pushed through `gateway`, in any term: a
-    /// gateway that is gone took them with it.
-    pub fn pushed_through(&self, gateway: &str) -> Vec<EarlierPush> {
-        self.pushed_where(|p| p.gateway == gateway)
+    /// Jobs whose current activation went out through `gateway`, pushed or polled,
+    /// in any term: a gateway that is gone took them with it.
+    pub fn handed_through(&self, gateway: &str) -> Vec<Handed> {
+        self.handed_where(|v| v.gateway == gateway)
     }
 
-    fn pushed_where(&self, wanted: impl Fn(&Pushed) -> bool) -> Vec<EarlierPush> {
+    fn handed_where(&self, wanted: impl Fn(&Via) -> bool) -> Vec<Handed> {
         self.deadlines
             .iter()
             .filter_map(|(_, key)| match &self.jobs.get(key)?.status {
                 JobStatus::Activated {
                     lease,
-                    pushed: Some(p),
+                    via: Some(v),
                     ..
-                } if wanted(p) => Some(EarlierPush {
+                } if wanted(v) => Some(Handed {
                     key: *key,
                     lease: *lease,
-                    gateway: p.gateway.clone(),
+                    gateway: v.gateway.clone(),
                 }),
                 _ => None,
             })
@@ -456,9 +466,14 @@ impl State {
         changes: &mut Changes,
     ) -> Result<Reply, BrokerError> {
         match cmd {
-            LogCommand::Client { cmd, push } => {
+            LogCommand::Client { cmd, push, via } => {
                 let mut budget = Budget::new(push, term);
-                self.apply_client(ts, cmd, &mut budget, effects, changes)
+                let via = via.as_ref().map(|gateway| Via {
+                    gateway: gateway.clone(),
+                    term,
+                    pushed: false,
+                });
+                self.apply_client(ts, cmd, &mut budget, via, effects, changes)
             }
             LogCommand::TimeOut { keys, push } => {
                 let mut budget = Budget::new(push, term);
@@ -500,8 +515,8 @@ impl State {
                 Ok(Reply::Done)
             }
             LogCommand::Backfill { target } => {
-                let pushed = target.pushed(term);
-                let jobs = self.activate(ts, &target.props, target.max, Some(pushed), changes);
+                let via = target.via(term);
+                let jobs = self.activate(ts, &target.props, target.max, Some(via), changes);
                 for job in jobs {
                     let lease = self.lease_of(job.key);
                     effects.push(Effect::Push(Box::new(Push {
@@ -521,6 +536,7 @@ impl State {
         ts: i64,
         cmd: &Command,
         budget: &mut Budget,
+        polled_via: Option<Via>,
         effects: &mut Vec<Effect>,
         changes: &mut Changes,
     ) -> Result<Reply, BrokerError> {
@@ -531,7 +547,7 @@ impl State {
                     .collect(),
             )),
             Command::Activate { props, max_jobs } => Ok(Reply::Activated(
-                self.activate(ts, props, *max_jobs, None, changes),
+                self.activate(ts, props, *max_jobs, polled_via, changes),
             )),
             Command::Complete { key, .. } => {
                 self.expect_activated(*key, "complete")?;
@@ -663,7 +679,7 @@ impl State {
         ts: i64,
         props: &ActivationProps,
         max: u32,
-        pushed: Option<Pushed>,
+        via: Option<Via>,
         changes: &mut Changes,
     ) -> Vec<ActivatedJob> {
         let mut picked: Vec<(u64, JobKey)> = Vec::new();
@@ -676,7 +692,7 @@ impl State {
         picked.truncate(max as usize);
         picked
             .into_iter()
-            .filter_map(|(_, key)| self.activate_one(ts, key, props, pushed.clone(), changes))
+            .filter_map(|(_, key)| self.activate_one(ts, key, props, via.clone(), changes))
             .collect()
     }
 
@@ -685,7 +701,7 @@ impl State {
         ts: i64,
         key: JobKey,
         props: &ActivationProps,
-        pushed: Option<Pushed>,
+        via: Option<Via>,
         changes: &mut Changes,
     ) -> Option<ActivatedJob> {
         self.unindex(key);
@@ -697,7 +713,7 @@ impl State {
             worker: props.worker.clone(),
             deadline,
             lease,
-            pushed,
+            via,
         };
         let activated = ActivatedJob {
             key,
@@ -732,9 +748,8 @@ impl State {
         };
         match budget.take(job) {
             Some(target) => {
-                let pushed = Some(target.pushed(budget.term));
-                if let Some(activated) = self.activate_one(ts, key, &target.props, pushed, changes)
-                {
+                let via = Some(target.via(budget.term));
+                if let Some(activated) = self.activate_one(ts, key, &target.props, via, changes) {
                     let lease = self.lease_of(key);
                     effects.push(Effect::Push(Box::new(Push {
                         target,

@@ -158,7 +158,7 @@ fn activate_takes_oldest_first_with_deadline_lease_and_filtered_variables() {
             worker: "w1".into(),
             deadline: T0 + 5010,
             lease: 1,
-            pushed: None,
+            via: None,
         }
     );
     // Next activation gets the next job with a new lease; the queue is then empty.
@@ -626,7 +626,11 @@ fn target(t: &str, max: u32) -> PushTarget {
 }
 
 fn with_push(cmd: Command, push: Vec<PushTarget>) -> LogCommand {
-    LogCommand::Client { cmd, push }
+    LogCommand::Client {
+        cmd,
+        push,
+        via: None,
+    }
 }
 
 fn pushes(effects: &[Effect]) -> Vec<(JobKey, u64)> {
@@ -677,9 +681,10 @@ fn create_with_a_stream_activates_and_pushes_in_the_same_entry() {
             worker: "streamer".into(),
             deadline: T0 + 30_000,
             lease: 1,
-            pushed: Some(Pushed {
+            via: Some(Via {
                 gateway: "gw-a".into(),
                 term: TERM,
+                pushed: true,
             }),
         }
     );
@@ -865,7 +870,7 @@ fn a_later_leader_learns_which_activations_earlier_leaders_pushed_and_where() {
         status(&s, polled),
         JobStatus::Activated {
             lease: 2,
-            pushed: None,
+            via: None,
             ..
         }
     ));
@@ -911,15 +916,44 @@ fn a_later_leader_learns_which_activations_earlier_leaders_pushed_and_where() {
     assert!(matches!(status(&s, a), JobStatus::Activatable { .. }));
     assert_eq!(listed(&s, 7), set(&[(d, 5, "gw-a")]));
     assert!(listed(&s, 6).is_empty());
-    // By gateway, whatever the term: what a gateway that is gone took with it.
+    // A poll that came through gw-b takes the yielded job: not a push, so no leader
+    // asks about it, but it went out through gw-b.
+    let poll = LogCommand::Client {
+        cmd: Command::Activate {
+            props: props("a", 30_000),
+            max_jobs: 1,
+        },
+        push: vec![],
+        via: Some("gw-b".into()),
+    };
+    match run_in(&mut s, 6, T0 + 30_001, poll).0 {
+        Ok(Reply::Activated(jobs)) => assert_eq!(jobs[0].key, a),
+        other => panic!("activated: {other:?}"),
+    }
+    assert_eq!(
+        status(&s, a),
+        JobStatus::Activated {
+            worker: "w1".into(),
+            deadline: T0 + 60_001,
+            lease: 6,
+            via: Some(Via {
+                gateway: "gw-b".into(),
+                term: 6,
+                pushed: false,
+            }),
+        }
+    );
+    assert_eq!(listed(&s, 7), set(&[(d, 5, "gw-a")]));
+    // By gateway, pushed or polled, whatever the term: what a gateway that is gone
+    // took with it.
     let through = |g: &str| {
-        s.pushed_through(g)
+        s.handed_through(g)
             .into_iter()
             .map(|e| (e.key, e.lease, e.gateway))
             .collect::<BTreeSet<_>>()
     };
     assert_eq!(through("gw-a"), set(&[(d, 5, "gw-a")]));
-    assert!(through("gw-b").is_empty(), "c was canceled");
+    assert_eq!(through("gw-b"), set(&[(a, 6, "gw-b")]), "c was canceled");
 }
 
 #[test]
