@@ -86,7 +86,7 @@ impl Cmd {
     /// default (`TOKIO_WORKER_THREADS`, else one per CPU).
     fn worker_threads(&self) -> Option<usize> {
         match self {
-            Cmd::Dev(a) => Some(a.worker_threads()),
+            Cmd::Dev(a) => a.runtime.worker_threads(),
             Cmd::Broker(a) => a.runtime.worker_threads(),
             Cmd::Gateway(a) => a.runtime.worker_threads(),
             Cmd::Job { .. } | Cmd::Worker { .. } | Cmd::Status { .. } => None,

@@ -32,19 +32,8 @@ pub struct DevArgs {
     /// fsync (every append flushed before it counts) or replicated.
     #[arg(long, default_value = "fsync")]
     durability: Durability,
-    /// Threads that run the whole cluster's tasks. One by default: the brokers,
-    /// the gateway and their in-process gRPC hops then never wait for a wake-up
-    /// on another thread, which is the lowest latency per job; raise it for
-    /// more peak throughput on a machine with many cores.
-    #[arg(long, env = "COURIER_WORKER_THREADS", default_value_t = 1,
-          value_parser = clap::value_parser!(u16).range(1..))]
-    worker_threads: u16,
-}
-
-impl DevArgs {
-    pub fn worker_threads(&self) -> usize {
-        usize::from(self.worker_threads)
-    }
+    #[command(flatten)]
+    pub runtime: ServerRuntime,
 }
 
 /// How a server process sizes its runtime.
