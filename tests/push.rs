@@ -885,3 +885,110 @@ async fn a_new_leader_leaves_a_job_with_the_gateway_that_took_it_after_another_r
     assert_eq!(taking.leases(key).len(), 1, "not pushed again");
     assert_eq!(c.get_job(key).await.expect("get").deadline, deadline);
 }
+
+/// A gateway link that falls behind the "jobs available" notices (here one that
+/// stops reading, so HTTP/2 flow control holds the broker's side back) is not
+/// closed: the broker announces again every type with activatable jobs, so the
+/// notices it skipped wake no fewer parked polls, and the link's streams and
+/// pushes stay up. Before, the broker closed the link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_that_falls_behind_the_notices_stays_up_and_hears_every_type_again() {
+    use courier_proto::cluster::{
+        broker_client::BrokerClient, broker_message, gateway_message, GatewayHello, GatewayMessage,
+    };
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts {
+        brokers: 1,
+        partitions: 1,
+        replication_factor: 1,
+        ..ClusterOpts::default()
+    })
+    .await;
+    let c = cluster.client();
+    let addr = cluster.broker_addrs.values().next().cloned().unwrap();
+    // Small windows: a few hundred notices fill them, and the broker stops sending.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .initial_stream_window_size(65_535)
+        .initial_connection_window_size(65_535)
+        .connect()
+        .await
+        .expect("connect to the broker");
+    let (tx, rx) = futures::channel::mpsc::unbounded();
+    tx.unbounded_send(GatewayMessage {
+        kind: Some(gateway_message::Kind::Hello(GatewayHello {
+            gateway_id: "falls-behind".into(),
+        })),
+    })
+    .unwrap();
+    let mut inbound = BrokerClient::new(channel)
+        .link(rx)
+        .await
+        .expect("link")
+        .into_inner();
+    wait_broker_metric(&cluster, "courier_broker_gateway_links", 2.0).await;
+
+    // A type of its own for every job, so every job is a notice of its own: more of
+    // them than the broker's notice buffer (4,096) and the windows hold together.
+    let long = "t".repeat(200);
+    let types: BTreeSet<String> = (0..6000).map(|i| format!("{long}-{i}")).collect();
+    let all: Vec<&String> = types.iter().collect();
+    for chunk in all.chunks(500) {
+        c.create_jobs(chunk.iter().map(|t| NewJob::new(t.as_str())))
+            .await
+            .expect("create");
+    }
+
+    // Now read: every type is heard of, and the link does not end.
+    let mut heard = BTreeSet::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while heard.len() < types.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let msg = tokio::time::timeout(left, inbound.message())
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "heard of {} of {} types within 30 s",
+                    heard.len(),
+                    types.len()
+                )
+            })
+            .expect("link failed");
+        let Some(msg) = msg else {
+            panic!(
+                "the broker closed the link after {} of {} types",
+                heard.len(),
+                types.len()
+            );
+        };
+        if let Some(broker_message::Kind::JobsAvailable(j)) = msg.kind {
+            heard.insert(j.r#type);
+        }
+    }
+    assert_eq!(heard, types);
+    assert!(
+        cluster
+            .broker_metric("courier_broker_notice_catch_ups_total")
+            .await
+            >= 1.0,
+        "the link never fell behind: the test did not test the catch-up"
+    );
+    // Still linked, and its notices still come.
+    assert_eq!(
+        cluster.broker_metric("courier_broker_gateway_links").await,
+        2.0
+    );
+    c.create_job(NewJob::new("after")).await.expect("create");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let msg = tokio::time::timeout(left, inbound.message())
+            .await
+            .expect("no notice for a job created after the catch-up")
+            .expect("link failed")
+            .expect("link closed");
+        if matches!(msg.kind, Some(broker_message::Kind::JobsAvailable(j)) if j.r#type == "after") {
+            break;
+        }
+    }
+}

@@ -242,6 +242,15 @@ pub static BACKFILLED: LazyLock<IntCounter> = LazyLock::new(|| {
     )))
 });
 
+/// Times a gateway link fell behind the "jobs available" notices, so the skipped
+/// ones were replaced by one notice per type with activatable jobs.
+pub static NOTICE_CATCH_UPS: LazyLock<IntCounter> = LazyLock::new(|| {
+    register(built(IntCounter::new(
+        "courier_broker_notice_catch_ups_total",
+        "Gateway links that fell behind the jobs-available notices and were sent one per activatable type instead",
+    )))
+});
+
 /// Activate commands answered with no job from the leader's applied state, without
 /// a log entry, by reason: `nothing` activatable of the type, or every such job
 /// `claimed` by activations in flight.
@@ -286,6 +295,7 @@ mod tests {
         super::TRY_NEXT.inc();
         super::YIELDS.with_label_values(&["gateway"]).inc();
         super::BACKFILLED.inc();
+        super::NOTICE_CATCH_UPS.inc();
         super::RECONCILED.with_label_values(&["held"]).inc();
         super::EMPTY_ACTIVATIONS
             .with_label_values(&["claimed"])

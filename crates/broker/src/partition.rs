@@ -293,13 +293,31 @@ impl Partition {
     /// Tells the gateways jobs of this type and tenant are activatable here.
     fn announce(&self, job_type: String, tenant_id: String) {
         // No receiver (no gateway linked) is fine.
-        let _ = self.notices.send(BrokerMessage {
+        let _ = self.notices.send(self.jobs_available(job_type, tenant_id));
+    }
+
+    fn jobs_available(&self, job_type: String, tenant_id: String) -> BrokerMessage {
+        BrokerMessage {
             kind: Some(broker_message::Kind::JobsAvailable(JobsAvailable {
                 r#type: job_type,
                 partition_id: self.id.0,
                 tenant_id,
             })),
-        });
+        }
+    }
+
+    /// A "jobs available" notice for every type and tenant with activatable jobs
+    /// here, where this replica leads: what a gateway that missed notices needs to
+    /// wake its parked polls. Empty on a follower, whose jobs no poll can take.
+    pub fn activatable_notices(&self) -> Vec<BrokerMessage> {
+        if !self.is_leader() {
+            return Vec::new();
+        }
+        let types = self.shared.read().state.activatable_types();
+        types
+            .into_iter()
+            .map(|(job_type, tenant_id)| self.jobs_available(job_type, tenant_id))
+            .collect()
     }
 
     /// The streams that may take the jobs this command makes runnable: decided here,

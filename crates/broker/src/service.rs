@@ -430,10 +430,24 @@ impl cluster::broker_server::Broker for BrokerService {
                     n = notices.recv() => match n {
                         Ok(msg) => yield Ok(msg),
                         Err(RecvError::Lagged(k)) => {
-                            // Closing makes the gateway reconnect and wake every parked
-                            // poll, instead of leaving some asleep until their timeout.
-                            tracing::warn!(link = link.id, skipped = k, "link fell behind; closing it");
-                            break;
+                            // The skipped notices may have been the only ones for some
+                            // types: without them parked polls would sleep until their
+                            // timeout. What is still activatable is announced again, and
+                            // the link (its streams, its pushes) stays up.
+                            metrics::NOTICE_CATCH_UPS.inc();
+                            let again: Vec<BrokerMessage> = partitions
+                                .values()
+                                .flat_map(|p| p.activatable_notices())
+                                .collect();
+                            tracing::warn!(
+                                link = link.id,
+                                skipped = k,
+                                announced = again.len(),
+                                "link fell behind the jobs-available notices; announcing every activatable type instead"
+                            );
+                            for msg in again {
+                                yield Ok(msg);
+                            }
                         }
                         Err(RecvError::Closed) => break,
                     },
