@@ -644,7 +644,7 @@ async fn write(p: Arc<Partition>, batch: Vec<Proposal>, on_flushed: FlushSignal,
                 p.registry.refund(&r, n);
             }
             // Pushes first: they are the job path's latency.
-            carry_out(&p, resp.data.effects, Some(started), &ends_from);
+            carry_out(&p, resp.data.effects, started, &ends_from);
             for (reply, tx) in resp.data.replies.into_iter().zip(replies) {
                 let _ = tx.send(reply);
             }
@@ -694,7 +694,7 @@ fn targets_of(c: &LogCommand) -> &[PushTarget] {
 fn carry_out(
     p: &Arc<Partition>,
     effects: Vec<Effect>,
-    proposed: Option<Instant>,
+    proposed: Instant,
     ends_from: &BTreeMap<JobKey, Arc<str>>,
 ) {
     for e in effects {
@@ -707,7 +707,7 @@ fn carry_out(
                 if push.origin == PushOrigin::Backfill {
                     metrics::BACKFILLED.inc();
                 }
-                let created = proposed.filter(|_| push.origin == PushOrigin::Created);
+                let created = (push.origin == PushOrigin::Created).then_some(proposed);
                 start_push(p, *push, created);
             }
             Effect::Finished { key, lease } => {
@@ -1144,15 +1144,10 @@ async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
             });
             // Parked polls may have missed notices while leadership moved, and streams
             // registered earlier may have a backlog here now.
-            let types = p.shared.read().state.activatable_types();
-            let effects: Vec<Effect> = types
-                .into_iter()
-                .map(|(job_type, tenant_id)| Effect::JobsAvailable {
-                    job_type,
-                    tenant_id,
-                })
-                .collect();
-            carry_out(&p, effects, None, &BTreeMap::new());
+            for notice in p.activatable_notices() {
+                // No receiver (no gateway linked) is fine.
+                let _ = p.notices.send(notice);
+            }
             for props in p.registry.all_props() {
                 p.backfill(props);
             }

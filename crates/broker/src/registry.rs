@@ -146,6 +146,14 @@ impl Link {
         *self.gateway.lock().unwrap_or_else(|e| e.into_inner()) == id
     }
 
+    /// The id the gateway at the other end gave in its hello ("" before it).
+    pub fn gateway_id(&self) -> String {
+        self.gateway
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Queues a message toward the gateway; false when the link is gone or full.
     pub fn send(&self, msg: BrokerMessage) -> bool {
         self.tx.try_send(msg).is_ok()
@@ -290,11 +298,8 @@ impl JobStreamRegistry {
         let n = self.hellos.fetch_add(1, Ordering::Relaxed) + 1;
         if self.last_hello.len() >= MAX_GATEWAYS_REMEMBERED {
             // Gateways are ids per process: forget those that are not linked.
-            let linked: std::collections::HashSet<String> = self
-                .links
-                .iter()
-                .map(|l| l.gateway.lock().unwrap_or_else(|e| e.into_inner()).clone())
-                .collect();
+            let linked: std::collections::HashSet<String> =
+                self.links.iter().map(|l| l.gateway_id()).collect();
             self.last_hello.retain(|g, _| linked.contains(g));
         }
         self.last_hello.insert(gateway.clone(), n);
@@ -315,7 +320,7 @@ impl JobStreamRegistry {
     fn gateway_of(&self, id: u64) -> String {
         self.links
             .get(&id)
-            .map(|l| l.gateway.lock().unwrap_or_else(|e| e.into_inner()).clone())
+            .map(|l| l.gateway_id())
             .unwrap_or_default()
     }
 

@@ -233,12 +233,7 @@ impl Drop for LinkGuard {
             return;
         }
         // The jobs pushed through that gateway are checked on if it does not return.
-        let gateway = self
-            .link
-            .gateway
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let gateway = self.link.gateway_id();
         if !gateway.is_empty() {
             let mark = self.registry.hellos();
             for p in self.partitions.values() {

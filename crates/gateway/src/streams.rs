@@ -416,7 +416,10 @@ impl AggregatedStreams {
     /// whether this gateway holds the job hears that it does.
     pub fn finished_here(self: &Arc<Self>, key: i64, since: Instant) -> Finishing {
         let mut st = self.lock();
-        // Only jobs pushed through here are ever asked about (not polled ones).
+        // Tracked for jobs pushed through here, which a new leader asks about. A
+        // polled job is asked about only once the gateway it went out through is
+        // gone; its completion through here is not tracked, so in that gateway's
+        // grace a completion still on its way can race the job's yield.
         let pushed_here = match st.held.get(&key) {
             Some(h) if h.since <= since => {
                 st.release(key);
