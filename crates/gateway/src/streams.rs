@@ -416,24 +416,17 @@ impl AggregatedStreams {
     /// whether this gateway holds the job hears that it does.
     pub fn finished_here(self: &Arc<Self>, key: i64, since: Instant) -> Finishing {
         let mut st = self.lock();
-        // Tracked for jobs pushed through here, which a new leader asks about. A
-        // polled job is asked about only once the gateway it went out through is
-        // gone; its completion through here is not tracked, so in that gateway's
-        // grace a completion still on its way can race the job's yield.
-        let pushed_here = match st.held.get(&key) {
-            Some(h) if h.since <= since => {
-                st.release(key);
-                self.wake_if_dirty(&st);
-                true
-            }
-            Some(_) => true,
-            None => false,
-        };
-        if pushed_here {
-            *st.finishing.entry(key).or_default() += 1;
+        if st.held.get(&key).is_some_and(|h| h.since <= since) {
+            st.release(key);
+            self.wake_if_dirty(&st);
         }
+        // Tracked whether the job was pushed or polled, and through whichever
+        // gateway: a broker asks every gateway about the jobs a new leader's
+        // predecessor pushed and about those handed out through a gateway that is
+        // gone, and a worker may finish a job through any gateway.
+        *st.finishing.entry(key).or_default() += 1;
         Finishing {
-            streams: pushed_here.then(|| Arc::clone(self)),
+            streams: Arc::clone(self),
             key,
         }
     }
@@ -1236,17 +1229,13 @@ impl Drop for AttachedLink {
 /// make it activatable while the command that ends it is being retried towards it).
 #[must_use = "the job counts as finishing here only while this lives"]
 pub struct Finishing {
-    /// None for a job not pushed through this gateway: nobody asks about it.
-    streams: Option<Arc<AggregatedStreams>>,
+    streams: Arc<AggregatedStreams>,
     key: i64,
 }
 
 impl Drop for Finishing {
     fn drop(&mut self) {
-        let Some(streams) = self.streams.take() else {
-            return;
-        };
-        let mut st = streams.lock();
+        let mut st = self.streams.lock();
         if let Some(n) = st.finishing.get_mut(&self.key) {
             *n -= 1;
             if *n == 0 {
@@ -1598,10 +1587,16 @@ mod tests {
         // buffered job went back to the broker.
         drop(a);
         assert_eq!(held_of(&s, &asked), [1]);
-        // A completion of a job never pushed here costs no tracking.
+        // A job polled through another gateway (gone, say) and being completed
+        // through this one counts as held too, until the completion has its answer.
         let polled = s.finished_here(99, Instant::now());
-        assert!(polled.streams.is_none());
+        let twice = s.finished_here(99, Instant::now());
+        assert_eq!(held_of(&s, &[(99, 1)]), [99]);
+        drop(polled);
+        assert_eq!(held_of(&s, &[(99, 1)]), [99]);
+        drop(twice);
         assert_eq!(held_of(&s, &[(99, 1)]), Vec::<i64>::new());
+        assert!(s.lock().finishing.is_empty());
         // The push of job 4 arrives late (its leader was slow, not dead): the leader
         // that asked has made it runnable again, so it is refused. Another
         // activation of it is not.
