@@ -4,6 +4,7 @@
 use anyhow::{bail, Context};
 use courier_broker::{BrokerConfig, Durability, RaftTuning};
 use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -111,12 +112,19 @@ pub struct GatewayArgs {
     pub runtime: ServerRuntime,
 }
 
-fn init_tracing() {
+/// What the servers log unless `RUST_LOG` says otherwise. openraft warns of every
+/// failed attempt to reach a peer that is down; its errors are kept.
+const SERVER_LOG: &str = "info,openraft=error";
+
+/// Logs to stderr: `default_filter`, or what `RUST_LOG` asks for.
+pub fn init_tracing(default_filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,openraft=error"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colours only for a person at a terminal, not in a log file or a pipe.
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }
 
@@ -195,7 +203,7 @@ async fn serve_metrics(addr: &str, shutdown: CancellationToken) -> anyhow::Resul
 }
 
 pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
-    init_tracing();
+    init_tracing(SERVER_LOG);
     if a.brokers < 1 {
         bail!("--brokers must be at least 1");
     }
@@ -288,7 +296,7 @@ fn parse_peers(s: &str) -> anyhow::Result<BTreeMap<u64, String>> {
 }
 
 pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
-    init_tracing();
+    init_tracing(SERVER_LOG);
     tracing::info!(worker_threads = runtime_workers(), "starting the broker");
     let shutdown = shutdown_on_signal();
     let mut brokers = parse_peers(&a.peers)?;
@@ -316,7 +324,7 @@ pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
 }
 
 pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
-    init_tracing();
+    init_tracing(SERVER_LOG);
     tracing::info!(worker_threads = runtime_workers(), "starting the gateway");
     let shutdown = shutdown_on_signal();
     let brokers: Vec<String> = a

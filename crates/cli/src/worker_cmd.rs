@@ -57,7 +57,9 @@ pub struct WorkerArgs {
 /// Runs the worker until Ctrl-C or SIGTERM, then shuts it down gracefully and prints
 /// what it did.
 pub async fn worker(opts: ClientOpts, args: WorkerArgs) -> anyhow::Result<()> {
-    init_logging();
+    // Warnings of the worker (a stream that broke, a poll that failed); `RUST_LOG`
+    // shows more.
+    crate::servers::init_tracing("warn");
     let json = opts.json;
     let command = Arc::new(args.handler);
     let worker = JobWorker::builder(opts.client()?, &args.job_type, move |job| {
@@ -119,17 +121,6 @@ pub async fn worker(opts: ClientOpts, args: WorkerArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-/// Warnings of the worker (a stream that broke, a poll that failed) on stderr;
-/// `RUST_LOG` shows more.
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
 }
 
 /// Returns on Ctrl-C or SIGTERM.
