@@ -8,7 +8,8 @@
 mod common;
 
 use common::{
-    all_gone, serial, wait_broker_metric, wait_registered, wait_until, Cluster, ClusterOpts,
+    all_gone, create_in_batches, serial, wait_broker_metric, wait_registered, wait_until, Cluster,
+    ClusterOpts,
 };
 use courier_client::{ActivateJobs, Client, NewJob};
 use courier_proto::cluster::{HeldQuery, PushJob};
@@ -356,6 +357,67 @@ async fn pushes_resume_within_two_seconds_after_a_leader_is_killed() {
     );
     keys.extend(after);
     wait_until(Duration::from_secs(30), "every job completed", || {
+        all_gone(&c, &keys)
+    })
+    .await;
+}
+
+/// Two of the three brokers die at once, so no partition has a majority, and come
+/// back; then the third dies. Creates and completions wait for a majority (the
+/// client retries them), the stream stays open at the gateway, and every
+/// acknowledged job is pushed and completed, including those created during the
+/// outage and those only the restarted brokers can lead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_outlive_a_lost_majority_and_every_job_is_completed_once_it_is_back() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts::default()).await;
+    // Retries outlast the outage, for creates and completions alike.
+    let c = cluster.client().with_retry_budget(Duration::from_secs(60));
+    let stream = open_stream(&cluster.gateway_addr, "majority", Duration::from_secs(60)).await;
+    wait_registered(&cluster, 3.0).await;
+    let (got, _worker) = completing_worker(c.clone(), stream);
+    let mut keys = create_in_batches(&c, "majority", 10, 10).await;
+    wait_until(
+        Duration::from_secs(10),
+        "the first jobs are pushed",
+        || async { got.lock().unwrap().len() >= keys.len() },
+    )
+    .await;
+
+    cluster.kill_broker(1);
+    cluster.kill_broker(2);
+    let acked = Arc::new(Mutex::new(Vec::new()));
+    let producer = tokio::spawn({
+        let (c, acked) = (c.clone(), acked.clone());
+        async move {
+            for i in 0..50 {
+                let job = NewJob::new("majority").variables(format!("{{\"i\":{i}}}").as_str());
+                let key = c.create_job(job).await.expect("create, retried").key;
+                acked.lock().unwrap().push(key);
+            }
+        }
+    });
+    // The outage lasts 2 s; without a majority nothing can be acknowledged.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        acked.lock().unwrap().is_empty(),
+        "a create was acknowledged without a majority"
+    );
+    cluster.start_broker(1);
+    cluster.start_broker(2);
+    producer.await.expect("producer");
+    keys.extend(acked.lock().unwrap().iter().copied());
+    // Broker 3 may have taken every leadership; without it, brokers 1 and 2 lead,
+    // and know the stream only from the gateway registering it again.
+    cluster.kill_broker(3);
+    keys.extend(create_in_batches(&c, "majority", 5, 10).await);
+
+    wait_until(Duration::from_secs(30), "every job is pushed", || async {
+        let got = got.lock().unwrap();
+        keys.iter().all(|k| got.contains(k))
+    })
+    .await;
+    wait_until(Duration::from_secs(30), "every job is completed", || {
         all_gone(&c, &keys)
     })
     .await;
