@@ -123,10 +123,23 @@ impl<Req: Frame, Rep: Frame> Mux<Req, Rep> {
         s.waiting.insert(id, tx);
         // The reader empties `waiting` once the stream ended: checked after the
         // insert, so no call waits on a stream nobody reads any more.
-        if s.ended.is_cancelled() || s.requests.send(request).await.is_err() {
+        if s.ended.is_cancelled() {
             s.waiting.remove(&id);
-            s.ended.cancel();
             return Err(CallError::NotSent);
+        }
+        // A full queue (the peer reads slowly) holds the call only until its deadline.
+        match tokio::time::timeout_at(deadline, s.requests.send(request)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => {
+                s.waiting.remove(&id);
+                s.ended.cancel();
+                return Err(CallError::NotSent);
+            }
+            // Not sent, but past its deadline: nothing retries it either way.
+            Err(_) => {
+                s.waiting.remove(&id);
+                return Err(CallError::TimedOut);
+            }
         }
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(reply)) => Ok(reply),
@@ -216,4 +229,107 @@ where
         ReceiverStream::new(rx),
         shutdown.cancelled_owned(),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::expect_used, clippy::unwrap_used)]
+
+    use super::*;
+    use crate::cluster::broker_client::BrokerClient;
+    use crate::cluster::broker_server::{Broker, BrokerServer};
+    use crate::cluster::{
+        BrokerMessage, BrokerTopology, BrokerTopologyRequest, ExecuteReply, ExecuteRequest,
+        GatewayMessage,
+    };
+    use std::time::Duration;
+    use tonic::{Request, Response};
+
+    /// A peer that takes the command stream and then neither reads it nor answers.
+    struct Deaf;
+
+    #[tonic::async_trait]
+    impl Broker for Deaf {
+        type ExecuteStream = Replies<ExecuteReply>;
+        type LinkStream = Pin<Box<dyn Stream<Item = Result<BrokerMessage, Status>> + Send>>;
+
+        async fn execute(
+            &self,
+            request: Request<Streaming<ExecuteRequest>>,
+        ) -> Result<Response<Self::ExecuteStream>, Status> {
+            let inbound = request.into_inner();
+            // Holds the inbound stream unread for as long as the replies are open.
+            let replies = futures::stream::pending::<Result<ExecuteReply, Status>>();
+            let replies = futures::StreamExt::map(replies, move |r| {
+                let _keep = &inbound;
+                r
+            });
+            Ok(Response::new(Box::pin(replies)))
+        }
+
+        async fn topology(
+            &self,
+            _: Request<BrokerTopologyRequest>,
+        ) -> Result<Response<BrokerTopology>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+
+        async fn link(
+            &self,
+            _: Request<Streaming<GatewayMessage>>,
+        ) -> Result<Response<Self::LinkStream>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_to_a_peer_that_stops_reading_end_at_their_deadline() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(BrokerServer::new(Deaf))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    stop.clone().cancelled_owned(),
+                ),
+        );
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect_lazy();
+        let mux = Arc::new(Mux::<ExecuteRequest, ExecuteReply>::new(stop.clone()));
+        // More than the peer's HTTP/2 window (16 KiB requests) and the queue
+        // take: the last calls find the queue full and wait for room that never
+        // comes.
+        let calls = QUEUE + 200;
+        let deadline = Instant::now() + Duration::from_millis(500);
+        let mut waiting = Vec::new();
+        for _ in 0..calls {
+            let (mux, channel) = (mux.clone(), channel.clone());
+            waiting.push(tokio::spawn(async move {
+                let open = |requests| async move {
+                    Ok(BrokerClient::new(channel)
+                        .execute(requests)
+                        .await?
+                        .into_inner())
+                };
+                let request = ExecuteRequest {
+                    partition_id: 1,
+                    request: vec![0u8; 16 * 1024].into(),
+                    id: 0,
+                };
+                mux.call(open, request, deadline).await
+            }));
+        }
+        let all = futures::future::join_all(waiting);
+        let results = tokio::time::timeout(Duration::from_secs(5), all)
+            .await
+            .expect("every call ends soon after its deadline");
+        for r in results {
+            assert!(matches!(r.expect("call task"), Err(CallError::TimedOut)));
+        }
+        // The deaf stream never ends, so a graceful shutdown would wait forever.
+        server.abort();
+    }
 }
