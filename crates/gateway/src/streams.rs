@@ -90,6 +90,10 @@ pub const GATEWAY_FULL: &str = "gateway_full";
 /// the job runnable again, so this late push from its predecessor must not run it.
 pub const DISOWNED: &str = "disowned";
 /// How long the gateway remembers the activations it told a leader it does not hold.
+/// A late push can only come over a link that is still up, and a broker that does
+/// not answer the link's pings for 15 s (see `topology::KEEPALIVE_INTERVAL` and
+/// `KEEPALIVE_TIMEOUT`) loses its link and the pushes queued on it: four times that
+/// is ample.
 const DISOWNED_MEMORY: Duration = Duration::from_secs(60);
 /// Yield reason of a spare job that waited until less than half its activation
 /// timeout was left: handed out now, it could time out while its worker runs it.
