@@ -491,6 +491,21 @@ async fn a_killed_gateway_is_dropped_at_once_and_workers_move_to_another() {
     assert_eq!(unknown, 0.0, "pushes without an answer");
 }
 
+/// Checks that the worker got every job of `keys` and no other, and that the
+/// leaders made `gone` jobs runnable again because their gateway was gone.
+async fn assert_got_every_job(cluster: &Cluster, got: &Mutex<Vec<i64>>, keys: &[i64], gone: f64) {
+    assert_eq!(
+        got.lock().unwrap().iter().copied().collect::<BTreeSet<_>>(),
+        keys.iter().copied().collect::<BTreeSet<_>>()
+    );
+    assert_eq!(
+        cluster
+            .broker_metric("courier_broker_reconciled_pushes_total{outcome=\"gateway_gone\"}")
+            .await,
+        gone
+    );
+}
+
 /// Jobs handed out through a gateway that dies (pushed, whether its client had
 /// them or they waited in its buffers, or answered to a poll) are lost with it:
 /// their results cannot come back through it. Once it has been gone for the grace
@@ -567,16 +582,49 @@ async fn jobs_pushed_through_a_gateway_that_died_reach_workers_elsewhere() {
         "every job completed {:?} after the gateway died",
         killed.elapsed()
     );
-    assert_eq!(
-        got.lock().unwrap().iter().copied().collect::<BTreeSet<_>>(),
-        keys.iter().copied().collect::<BTreeSet<_>>()
+    assert_got_every_job(&cluster, &got, &keys, 53.0).await;
+}
+
+/// With `--lost-gateway-grace off`, the jobs a gateway that died had handed to its
+/// client wait for their activation timeout, as in Zeebe (their worker may still be
+/// running them), and only then run again through another gateway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_lost_gateway_grace_a_dead_gateways_jobs_wait_for_their_timeout() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts {
+        lost_gateway_grace: Some("off"),
+        ..ClusterOpts::default()
+    })
+    .await;
+    let other = cluster.add_gateway();
+    let c = cluster.client_of(other);
+    // Longer than the default grace (10 s) and the time to the kill together.
+    let timeout = Duration::from_secs(16);
+    let mut holding = open_stream(&cluster.gateway_addr, "kept", timeout).await;
+    wait_registered(&cluster, 3.0).await;
+    // Each job's activation, and so its deadline, comes after this.
+    let before = Instant::now();
+    let mut keys = Vec::new();
+    for _ in 0..8 {
+        keys.push(c.create_job(NewJob::new("kept")).await.expect("create").key);
+    }
+    let mut handed = BTreeSet::new();
+    while handed.len() < keys.len() {
+        handed.insert(next(&mut holding).await.key);
+    }
+    cluster.kill_gateway(0);
+    let stream = open_stream(&cluster.gateway_addrs[other], "kept", timeout).await;
+    let (got, _t) = completing_worker(c.clone(), stream);
+    wait_until(Duration::from_secs(40), "every job completed", || {
+        all_gone(&c, &keys)
+    })
+    .await;
+    let after = before.elapsed();
+    assert!(
+        after >= timeout - Duration::from_secs(1),
+        "the jobs ran again {after:?} after their activation, before its timeout"
     );
-    assert_eq!(
-        cluster
-            .broker_metric("courier_broker_reconciled_pushes_total{outcome=\"gateway_gone\"}")
-            .await,
-        53.0
-    );
+    assert_got_every_job(&cluster, &got, &keys, 0.0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -67,6 +67,8 @@ pub struct ClusterOpts {
     pub gateway_no_push: bool,
     /// `--worker-threads` of every broker and gateway (None: their default).
     pub worker_threads: Option<u16>,
+    /// `--lost-gateway-grace` of every broker (None: its default).
+    pub lost_gateway_grace: Option<&'static str>,
 }
 
 impl Default for ClusterOpts {
@@ -80,6 +82,7 @@ impl Default for ClusterOpts {
             keep_after_snapshot: 1000,
             gateway_no_push: false,
             worker_threads: None,
+            lost_gateway_grace: None,
         }
     }
 }
@@ -260,6 +263,9 @@ impl Cluster {
             self.broker_metrics[&id].clone(),
         ];
         args.extend(self.worker_threads_args());
+        if let Some(grace) = self.opts.lost_gateway_grace {
+            args.extend(["--lost-gateway-grace".to_string(), grace.to_string()]);
+        }
         let log = self.dir.path().join(format!("broker-{id}.log"));
         self.brokers.insert(id, Proc::spawn(&args, log));
     }

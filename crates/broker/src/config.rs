@@ -4,6 +4,7 @@ use crate::store::Durability;
 use courier_proto::domain::NodeId;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// Everything a broker needs to know at start.
 #[derive(Clone, Debug)]
@@ -16,7 +17,15 @@ pub struct BrokerConfig {
     pub data_dir: PathBuf,
     pub durability: Durability,
     pub raft: RaftTuning,
+    /// How long a gateway may be gone (no link to this broker) before the leaders
+    /// here make the jobs handed out through it runnable again: their results cannot
+    /// come back through it, but a worker still running one may then run it a
+    /// second time. `None`: they wait for their activation timeouts, as in Zeebe.
+    pub lost_gateway_grace: Option<Duration>,
 }
+
+/// The default of [`BrokerConfig::lost_gateway_grace`].
+pub const DEFAULT_LOST_GATEWAY_GRACE: Duration = Duration::from_secs(10);
 
 /// Raft timing and log compaction.
 #[derive(Clone, Debug)]
@@ -135,6 +144,7 @@ mod tests {
             data_dir: PathBuf::from("x"),
             durability: Durability::Fsync,
             raft: RaftTuning::default(),
+            lost_gateway_grace: Some(DEFAULT_LOST_GATEWAY_GRACE),
         }
     }
 

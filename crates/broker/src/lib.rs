@@ -113,6 +113,7 @@ pub async fn run(
             shared,
             notices.clone(),
             registry.clone(),
+            config.lost_gateway_grace,
             &tasks,
             shutdown.clone(),
         );

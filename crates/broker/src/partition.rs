@@ -50,9 +50,8 @@ const BACKFILL_BATCH: u32 = 512;
 /// Yields wait this long (plus up to as much again, at random) to be proposed
 /// together: refused pushes never turn into a burst of log writes.
 const YIELD_PACE: Duration = Duration::from_millis(10);
-/// How long a gateway may be without a link to this broker before the jobs pushed
-/// through it are taken for lost (a new leader waits as long for the link of a
-/// gateway it must ask about its predecessors' pushes).
+/// How long a new leader waits for the link of a gateway it must ask about its
+/// predecessors' pushes.
 const GATEWAY_GRACE: Duration = Duration::from_secs(10);
 /// How long a gateway has to answer a `HeldQuery`; past it, the activations asked
 /// about are left to their deadlines.
@@ -165,6 +164,8 @@ pub struct Partition {
     yield_wake: Notify,
     /// Activations proposed and not yet finished (leader-local).
     claims: Mutex<Claims>,
+    /// See [`crate::config::BrokerConfig::lost_gateway_grace`].
+    lost_gateway_grace: Option<Duration>,
     shutdown: CancellationToken,
 }
 
@@ -178,6 +179,7 @@ impl Partition {
         shared: Arc<SharedState>,
         notices: Notices,
         registry: Arc<JobStreamRegistry>,
+        lost_gateway_grace: Option<Duration>,
         tasks: &tokio_util::task::TaskTracker,
         shutdown: CancellationToken,
     ) -> Arc<Partition> {
@@ -196,6 +198,7 @@ impl Partition {
             yields: Mutex::new(Vec::new()),
             yield_wake: Notify::new(),
             claims: Mutex::new(Claims::default()),
+            lost_gateway_grace,
             shutdown: shutdown.clone(),
         });
         let span = tracing::info_span!("partition", partition = id.0, node = node_id);
@@ -1023,6 +1026,11 @@ async fn held_by_none(p: &Partition, jobs: Vec<Handed>) -> Option<Vec<Handed>> {
     let (kept, lost): (Vec<_>, Vec<_>) = jobs
         .into_iter()
         .partition(|e| held.contains(&(e.key.0, e.lease)));
+    // Without a lost-gateway grace, what went out through a gateway that is gone
+    // waits for its activation timeout: its worker may still be running it.
+    let (lost, waiting): (Vec<_>, Vec<_>) = lost.into_iter().partition(|e| {
+        p.lost_gateway_grace.is_some() || p.registry.link_of_gateway(&e.gateway).is_some()
+    });
     let gone = lost
         .iter()
         .filter(|e| p.registry.link_of_gateway(&e.gateway).is_none())
@@ -1031,6 +1039,7 @@ async fn held_by_none(p: &Partition, jobs: Vec<Handed>) -> Option<Vec<Handed>> {
         ("held", kept.len()),
         ("yielded", lost.len() - gone),
         ("gateway_gone", gone),
+        ("left_to_timeout", waiting.len()),
     ] {
         metrics::RECONCILED
             .with_label_values(&[outcome])
@@ -1041,6 +1050,7 @@ async fn held_by_none(p: &Partition, jobs: Vec<Handed>) -> Option<Vec<Handed>> {
         held = kept.len(),
         yielded = lost.len(),
         of_gateways_gone = gone,
+        left_to_timeout = waiting.len(),
         "pushes of earlier leaders or lost gateways checked"
     );
     Some(lost)
@@ -1073,14 +1083,18 @@ async fn yield_lost(p: &Arc<Partition>, lost: Vec<Handed>) {
 
 impl Partition {
     /// A link of `gateway` to this broker ended when the registry had seen `hellos`
-    /// gateway hellos. If that gateway has not said hello again within
-    /// [`GATEWAY_GRACE`] and this replica leads, the jobs handed out through it
+    /// gateway hellos. If that gateway has not said hello again within the lost
+    /// gateway grace (when there is one) and this replica leads, the jobs handed out
+    /// through it
     /// (pushed, or answered to a poll) that no linked gateway holds are made runnable
     /// again: its ids are per process, so a gateway that restarted, or died, holds
     /// none of them, and its workers' results for them cannot reach a broker through
     /// it (a worker still running one may finish it through another gateway: as
     /// after any activation timeout, the job may then run twice).
     pub fn gateway_lost(self: &Arc<Self>, gateway: String, hellos: u64) {
+        let Some(grace) = self.lost_gateway_grace else {
+            return;
+        };
         if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
@@ -1089,7 +1103,7 @@ impl Partition {
         tokio::spawn(async move {
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = tokio::time::sleep(GATEWAY_GRACE) => {}
+                _ = tokio::time::sleep(grace) => {}
             }
             if !p.is_leader() || p.registry.said_hello_since(&gateway, hellos) {
                 return;

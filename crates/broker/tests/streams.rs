@@ -38,6 +38,7 @@ async fn streams_answer_every_request_and_end_on_shutdown() {
         data_dir: dir.path().to_path_buf(),
         durability: Durability::Fsync,
         raft: RaftTuning::default(),
+        lost_gateway_grace: Some(courier_broker::config::DEFAULT_LOST_GATEWAY_GRACE),
     };
     let shutdown = CancellationToken::new();
     let broker = tokio::spawn(courier_broker::run(config, listener, shutdown.clone()));

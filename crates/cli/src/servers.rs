@@ -34,7 +34,31 @@ pub struct DevArgs {
     #[arg(long, default_value = "fsync")]
     durability: Durability,
     #[command(flatten)]
+    lost_gateway: LostGateway,
+    #[command(flatten)]
     pub runtime: ServerRuntime,
+}
+
+/// What becomes of the jobs handed out through a gateway that is gone.
+#[derive(clap::Args)]
+struct LostGateway {
+    /// How long a gateway may be gone before the jobs handed out through it
+    /// (pushed, or answered to its polls) run again elsewhere: their results could
+    /// not come back through it, but a worker still running one may then run it a
+    /// second time. "off": they wait for their activation timeouts, as in Zeebe.
+    #[arg(long, default_value = "10s", value_parser = parse_grace)]
+    lost_gateway_grace: Grace,
+}
+
+/// A duration, or none ("off").
+#[derive(Clone, Debug)]
+struct Grace(Option<Duration>);
+
+fn parse_grace(s: &str) -> Result<Grace, String> {
+    if s.trim() == "off" {
+        return Ok(Grace(None));
+    }
+    crate::client_cmds::parse_duration(s).map(|d| Grace(Some(d)))
 }
 
 /// How a server process sizes its runtime.
@@ -82,6 +106,8 @@ pub struct BrokerArgs {
     /// Log entries kept behind a snapshot for lagging followers.
     #[arg(long, default_value_t = RaftTuning::default().keep_after_snapshot)]
     keep_after_snapshot: u64,
+    #[command(flatten)]
+    lost_gateway: LostGateway,
     #[command(flatten)]
     pub runtime: ServerRuntime,
 }
@@ -232,6 +258,7 @@ pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
             data_dir: a.data_dir.join(format!("broker-{id}")),
             durability: a.durability,
             raft: RaftTuning::default(),
+            lost_gateway_grace: a.lost_gateway.lost_gateway_grace.0,
         };
         let s = shutdown.clone();
         tasks.spawn(async move {
@@ -317,6 +344,7 @@ pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
             keep_after_snapshot: a.keep_after_snapshot,
             ..RaftTuning::default()
         },
+        lost_gateway_grace: a.lost_gateway.lost_gateway_grace.0,
     };
     courier_broker::run(config, listener, shutdown)
         .await
@@ -366,5 +394,12 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("ID=HOST:PORT"));
+    }
+
+    #[test]
+    fn the_lost_gateway_grace_is_a_duration_or_off() {
+        assert_eq!(parse_grace("10s").unwrap().0, Some(Duration::from_secs(10)));
+        assert_eq!(parse_grace("off").unwrap().0, None);
+        assert!(parse_grace("soon").unwrap_err().contains("10s"));
     }
 }
