@@ -1085,9 +1085,8 @@ impl Partition {
     /// A link of `gateway` to this broker ended when the registry had seen `hellos`
     /// gateway hellos. If that gateway has not said hello again within the lost
     /// gateway grace (when there is one) and this replica leads, the jobs handed out
-    /// through it
-    /// (pushed, or answered to a poll) that no linked gateway holds are made runnable
-    /// again: its ids are per process, so a gateway that restarted, or died, holds
+    /// through it (pushed, or answered to a poll) that no linked gateway holds are
+    /// made runnable again: its ids are per process, so a gateway that restarted, or died, holds
     /// none of them, and its workers' results for them cannot reach a broker through
     /// it (a worker still running one may finish it through another gateway: as
     /// after any activation timeout, the job may then run twice).
