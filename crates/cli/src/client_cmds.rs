@@ -577,13 +577,19 @@ fn render_topology(t: &TopologyResponse) -> String {
                 )
             })
             .collect();
+        // The gateway lists a broker that did not answer it without partitions.
+        let partitions = if partitions.is_empty() {
+            "none reported".to_string()
+        } else {
+            partitions.join(", ")
+        };
         let _ = writeln!(
             out,
             "{:<6}  {:<width$}  {:<7}  {}",
             b.node_id,
             address(b),
             b.version,
-            partitions.join(", ")
+            partitions
         );
     }
     let _ = writeln!(out);
@@ -911,15 +917,23 @@ mod tests {
                     partitions: vec![partition(1, Leader), partition(2, Follower)],
                     version: "0.1.0".into(),
                 },
+                // Did not answer the gateway.
+                BrokerInfo {
+                    node_id: 2,
+                    host: "10.0.0.3".into(),
+                    port: 26501,
+                    partitions: vec![],
+                    version: "0.1.0".into(),
+                },
             ],
-            cluster_size: 2,
+            cluster_size: 3,
             partitions_count: 3,
             replication_factor: 2,
             gateway_version: "0.1.0".into(),
         };
         let text = render_topology(&t);
         let expected = "\
-cluster size        2
+cluster size        3
 partitions          3
 replication factor  2
 gateway version     0.1.0
@@ -927,6 +941,7 @@ gateway version     0.1.0
 BROKER  ADDRESS         VERSION  PARTITIONS
 0       10.0.0.1:26501  0.1.0    1 leader healthy, 2 follower healthy
 1       10.0.0.2:26501  0.1.0    1 follower healthy, 2 follower healthy
+2       10.0.0.3:26501  0.1.0    none reported
 
 PARTITION  LEADER
 1          broker 0 (10.0.0.1:26501)
