@@ -718,7 +718,8 @@ impl Gateway for GatewayService {
 }
 
 /// The cluster as Zeebe clients expect to see it. A broker that did not answer the
-/// last round is listed without partitions.
+/// last round is listed without partitions; one that never answered, without a
+/// version.
 pub fn zeebe_topology(view: &ClusterView) -> gw::TopologyResponse {
     use gw::partition::{PartitionBrokerHealth as Health, PartitionBrokerRole as Role};
     let brokers = view
@@ -754,7 +755,7 @@ pub fn zeebe_topology(view: &ClusterView) -> gw::TopologyResponse {
                 host,
                 port,
                 partitions,
-                version: VERSION.to_string(),
+                version: view.versions.get(&node).cloned().unwrap_or_default(),
             }
         })
         .collect();
@@ -1062,6 +1063,8 @@ mod tests {
             .insert(2, vec![report(1, "follower"), report(2, "follower")]);
         view.leaders
             .insert(PartitionId(1), Leader { node: 1, term: 3 });
+        view.versions.insert(1, "0.9.0".into());
+        view.versions.insert(2, VERSION.into());
         // Broker 3 did not answer.
         let t = zeebe_topology(&view);
         assert_eq!(t.cluster_size, 3);
@@ -1086,5 +1089,8 @@ mod tests {
         );
         assert_eq!(t.brokers[1].partitions[0].role, R::Follower as i32);
         assert!(t.brokers[2].partitions.is_empty());
+        // Each broker's own version, as it reported it.
+        let versions: Vec<&str> = t.brokers.iter().map(|b| b.version.as_str()).collect();
+        assert_eq!(versions, ["0.9.0", VERSION, ""]);
     }
 }

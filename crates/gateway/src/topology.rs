@@ -59,6 +59,8 @@ pub struct ClusterView {
     /// The partitions each broker reported in the last round; a broker that did not
     /// answer has no entry.
     pub reports: BTreeMap<NodeId, Vec<PartitionReport>>,
+    /// The version each broker last reported (kept while it does not answer).
+    pub versions: BTreeMap<NodeId, String>,
     /// The known leader of each partition.
     pub leaders: HashMap<PartitionId, Leader>,
 }
@@ -83,6 +85,7 @@ impl ClusterView {
                 })
                 .collect();
             self.reports.insert(a.node_id, parts);
+            self.versions.insert(a.node_id, a.version.clone());
         }
         self.leaders = elect(answers);
     }
