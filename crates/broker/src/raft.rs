@@ -133,7 +133,7 @@ impl PeerLink {
             let replies = RaftClient::new(self.channel.clone())
                 .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(crate::MAX_MESSAGE_BYTES)
-                .stream(requests)
+                .stream(with_data_format(tonic::Request::new(requests)))
                 .await?;
             Ok(replies.into_inner())
         };
@@ -141,6 +141,39 @@ impl PeerLink {
             .call(open, frame, tokio::time::Instant::now() + ttl)
             .await
     }
+}
+
+/// `req`, stating the data format this broker writes (see
+/// [`courier_proto::DATA_FORMAT_HEADER`]).
+fn with_data_format<T>(mut req: tonic::Request<T>) -> tonic::Request<T> {
+    req.metadata_mut().insert(
+        courier_proto::DATA_FORMAT_HEADER,
+        tonic::metadata::MetadataValue::from(crate::store::DATA_FORMAT),
+    );
+    req
+}
+
+/// Refuses Raft traffic from a peer that states another data format than this
+/// broker's: its entries and snapshots would be misread. A peer that states none
+/// is taken as it comes.
+pub fn check_data_format(metadata: &tonic::metadata::MetadataMap) -> Result<(), tonic::Status> {
+    let Some(value) = metadata.get(courier_proto::DATA_FORMAT_HEADER) else {
+        return Ok(());
+    };
+    let theirs = value.to_str().ok().and_then(|v| v.parse::<u32>().ok());
+    if theirs == Some(crate::store::DATA_FORMAT) {
+        return Ok(());
+    }
+    let theirs = value.to_str().unwrap_or("(not text)");
+    tracing::warn!(
+        peer_format = theirs,
+        "refused Raft traffic from a peer of another data format"
+    );
+    Err(tonic::Status::failed_precondition(format!(
+        "this broker reads data format {}, the peer writes {theirs}: the brokers of a \
+         cluster must run versions with the same data format",
+        crate::store::DATA_FORMAT
+    )))
 }
 
 /// Makes Raft network clients for one partition.
@@ -196,7 +229,7 @@ impl PeerClient {
     }
 
     fn request<T>(&self, msg: T, option: &RPCOption) -> tonic::Request<T> {
-        let mut req = tonic::Request::new(msg);
+        let mut req = with_data_format(tonic::Request::new(msg));
         req.set_timeout(option.hard_ttl());
         req
     }

@@ -89,6 +89,7 @@ impl cluster::raft_server::Raft for RaftService {
         &self,
         req: GrpcRequest<Streaming<RaftFrame>>,
     ) -> Result<Response<Self::StreamStream>, Status> {
+        crate::raft::check_data_format(req.metadata())?;
         let partitions = self.partitions.clone();
         let replies = mux::serve(req.into_inner(), self.shutdown.clone(), move |frame| {
             let partitions = partitions.clone();
@@ -111,6 +112,7 @@ impl cluster::raft_server::Raft for RaftService {
         &self,
         req: GrpcRequest<SnapshotChunk>,
     ) -> Result<Response<RaftReply>, Status> {
+        crate::raft::check_data_format(req.metadata())?;
         let r = req.into_inner();
         let p = partition(&self.partitions, r.partition_id)?;
         let h: SnapshotChunkHeader =

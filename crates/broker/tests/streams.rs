@@ -3,6 +3,9 @@
 //! that cannot be served gets an error reply rather than silence, and streams held
 //! open by the other side do not keep the broker from shutting down.
 
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
 use courier_broker::{BrokerConfig, Durability, RaftTuning};
 use courier_proto::cluster::{
     broker_client::BrokerClient, raft_client::RaftClient, ExecuteRequest, RaftCall, RaftFrame,
@@ -25,8 +28,14 @@ fn frame(id: u64, partition_id: u32, call: i32, payload: &[u8]) -> RaftFrame {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn streams_answer_every_request_and_end_on_shutdown() {
+/// A one-broker cluster on loopback: its data folder (kept while it lives), its
+/// address, what stops it, and its task.
+async fn start_broker() -> (
+    tempfile::TempDir,
+    std::net::SocketAddr,
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), courier_broker::Error>>,
+) {
     let dir = tempfile::tempdir().unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -42,6 +51,12 @@ async fn streams_answer_every_request_and_end_on_shutdown() {
     };
     let shutdown = CancellationToken::new();
     let broker = tokio::spawn(courier_broker::run(config, listener, shutdown.clone()));
+    (dir, addr, shutdown, broker)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_answer_every_request_and_end_on_shutdown() {
+    let (_dir, addr, shutdown, broker) = start_broker().await;
 
     let mut client = RaftClient::connect(format!("http://{addr}")).await.unwrap();
     let (tx, rx) = mpsc::channel(16);
@@ -141,4 +156,72 @@ async fn streams_answer_every_request_and_end_on_shutdown() {
         .expect("the reply stream ends");
     assert!(!matches!(end, Ok(Some(_))));
     drop((tx, ctx));
+}
+
+/// `msg`, stating data format `format` as a peer broker does.
+fn stated<T>(format: u32, msg: T) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(msg);
+    req.metadata_mut().insert(
+        courier_proto::DATA_FORMAT_HEADER,
+        tonic::metadata::MetadataValue::from(format),
+    );
+    req
+}
+
+/// A peer that states another data format gets its Raft stream and its snapshot
+/// chunks refused, with both formats named, rather than have them misread; one of
+/// the same format is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raft_traffic_of_another_data_format_is_refused() {
+    let (_dir, addr, shutdown, broker) = start_broker().await;
+    let mut client = RaftClient::connect(format!("http://{addr}")).await.unwrap();
+    let ours = courier_broker::store::DATA_FORMAT;
+    let (_tx, rx) = mpsc::channel::<RaftFrame>(1);
+    let refused = client
+        .stream(stated(999, tokio_stream::wrappers::ReceiverStream::new(rx)))
+        .await
+        .expect_err("refused");
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        refused.message().contains("999") && refused.message().contains(&ours.to_string()),
+        "{}",
+        refused.message()
+    );
+    let chunk = courier_proto::cluster::SnapshotChunk {
+        partition_id: 1,
+        header: Default::default(),
+        data: Default::default(),
+    };
+    let refused = client
+        .install_snapshot(stated(ours + 1, chunk))
+        .await
+        .expect_err("refused");
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+
+    let (tx, rx) = mpsc::channel::<RaftFrame>(1);
+    let mut replies = client
+        .stream(stated(
+            ours,
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ))
+        .await
+        .expect("same format: served")
+        .into_inner();
+    tx.send(frame(1, 99, RaftCall::AppendEntries as i32, b"x"))
+        .await
+        .unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(10), replies.message())
+        .await
+        .expect("a reply within 10 s")
+        .unwrap()
+        .expect("the stream stays open");
+    assert!(reply.error.contains("partition 99"), "{:?}", reply.error);
+
+    shutdown.cancel();
+    drop((tx, replies));
+    tokio::time::timeout(Duration::from_secs(10), broker)
+        .await
+        .expect("the broker stops")
+        .unwrap()
+        .unwrap();
 }

@@ -46,6 +46,11 @@ pub use courier::v1 as courier_v1;
 /// job's activation when that gateway itself sent the command that ended it.
 pub const GATEWAY_ID_HEADER: &str = "courier-gateway-id";
 
+/// Metadata on a broker's Raft stream and snapshot chunks to a peer: the data format
+/// its log entries and snapshots are written in. A peer of another format refuses
+/// them (FAILED_PRECONDITION) rather than misread them.
+pub const DATA_FORMAT_HEADER: &str = "courier-data-format";
+
 macro_rules! frame {
     ($($t:ty),*) => {$(
         impl mux::Frame for $t {
