@@ -1026,15 +1026,15 @@ async fn held_by_none(p: &Partition, jobs: Vec<Handed>) -> Option<Vec<Handed>> {
     let (kept, lost): (Vec<_>, Vec<_>) = jobs
         .into_iter()
         .partition(|e| held.contains(&(e.key.0, e.lease)));
-    // Without a lost-gateway grace, what went out through a gateway that is gone
-    // waits for its activation timeout: its worker may still be running it.
-    let (lost, waiting): (Vec<_>, Vec<_>) = lost.into_iter().partition(|e| {
-        p.lost_gateway_grace.is_some() || p.registry.link_of_gateway(&e.gateway).is_some()
-    });
-    let gone = lost
-        .iter()
-        .filter(|e| p.registry.link_of_gateway(&e.gateway).is_none())
-        .count();
+    // What went out through a gateway that is gone is yielded only with a
+    // lost-gateway grace; without one it waits for its activation timeout, as its
+    // worker may still be running it.
+    let linked = |e: &Handed| p.registry.link_of_gateway(&e.gateway).is_some();
+    let (lost, waiting): (Vec<_>, Vec<_>) = match p.lost_gateway_grace {
+        Some(_) => (lost, Vec::new()),
+        None => lost.into_iter().partition(linked),
+    };
+    let gone = lost.iter().filter(|e| !linked(e)).count();
     for (outcome, n) in [
         ("held", kept.len()),
         ("yielded", lost.len() - gone),
@@ -1086,10 +1086,10 @@ impl Partition {
     /// gateway hellos. If that gateway has not said hello again within the lost
     /// gateway grace (when there is one) and this replica leads, the jobs handed out
     /// through it (pushed, or answered to a poll) that no linked gateway holds are
-    /// made runnable again: its ids are per process, so a gateway that restarted, or died, holds
-    /// none of them, and its workers' results for them cannot reach a broker through
-    /// it (a worker still running one may finish it through another gateway: as
-    /// after any activation timeout, the job may then run twice).
+    /// made runnable again: its ids are per process, so a gateway that restarted,
+    /// or died, holds none of them, and its workers' results for them cannot reach
+    /// a broker through it (a worker still running one may finish it through another
+    /// gateway: as after any activation timeout, the job may then run twice).
     pub fn gateway_lost(self: &Arc<Self>, gateway: String, hellos: u64) {
         let Some(grace) = self.lost_gateway_grace else {
             return;

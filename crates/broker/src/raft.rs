@@ -160,11 +160,10 @@ pub fn check_data_format(metadata: &tonic::metadata::MetadataMap) -> Result<(), 
     let Some(value) = metadata.get(courier_proto::DATA_FORMAT_HEADER) else {
         return Ok(());
     };
-    let theirs = value.to_str().ok().and_then(|v| v.parse::<u32>().ok());
-    if theirs == Some(crate::store::DATA_FORMAT) {
+    let theirs = value.to_str().unwrap_or("(not text)");
+    if theirs.parse::<u32>() == Ok(crate::store::DATA_FORMAT) {
         return Ok(());
     }
-    let theirs = value.to_str().unwrap_or("(not text)");
     tracing::warn!(
         peer_format = theirs,
         "refused Raft traffic from a peer of another data format"
