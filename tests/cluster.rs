@@ -112,19 +112,21 @@ async fn an_activation_that_times_out_is_activated_again() {
     let cluster = Cluster::start(ClusterOpts::default()).await;
     let c = cluster.client();
     let key = c.create_job(NewJob::new("slow")).await.expect("create").key;
+    // Taken before the call: the leader stamps the deadline after this, whatever the
+    // commit and the answer cost on a loaded machine.
+    let activated_at = Instant::now();
     let first = c
         .activate_jobs(poll("slow", 1).timeout(Duration::from_millis(700)))
         .await
         .expect("activate");
     assert_eq!(first.iter().map(|j| j.key).collect::<Vec<_>>(), vec![key]);
-    let activated_at = Instant::now();
     assert_eq!(state_of(&c, key).await, Ok(JobState::Activated));
 
     // A long poll parked now is woken when the deadline passes and the job is runnable.
     let again = activate_n(&c, poll("slow", 1), 1, Duration::from_secs(10)).await;
     assert_eq!(again, vec![key]);
     assert!(
-        activated_at.elapsed() >= Duration::from_millis(600),
+        activated_at.elapsed() >= Duration::from_millis(695),
         "re-activated before its deadline: {:?}",
         activated_at.elapsed()
     );
@@ -145,10 +147,13 @@ async fn a_failed_job_waits_for_its_back_off_then_runs_again() {
         .expect("create")
         .key;
     activate_n(&c, poll("flaky", 1), 1, Duration::from_secs(5)).await;
+    // Taken before the call: the leader stamps the back-off's end after this, so the
+    // bound below holds however long the commit and the answer take (the 5 ms allow
+    // for deadlines kept in whole milliseconds).
+    let failed_at = Instant::now();
     c.fail_job(key, 2, "try later", Duration::from_millis(1500))
         .await
         .expect("fail");
-    let failed_at = Instant::now();
     let job = c.get_job(key).await.expect("get");
     assert_eq!(job.state, JobState::FailedBackOff as i32);
     assert_eq!(job.retries, 2);
@@ -162,7 +167,7 @@ async fn a_failed_job_waits_for_its_back_off_then_runs_again() {
     let later = activate_n(&c, poll("flaky", 1), 1, Duration::from_secs(10)).await;
     assert_eq!(later, vec![key]);
     assert!(
-        failed_at.elapsed() >= Duration::from_millis(1400),
+        failed_at.elapsed() >= Duration::from_millis(1495),
         "{:?}",
         failed_at.elapsed()
     );

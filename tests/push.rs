@@ -285,18 +285,19 @@ async fn failed_and_timed_out_jobs_are_pushed_again() {
     let first = next(&mut s).await;
     assert_eq!(first.key, key);
     wait_pushed_active(&cluster, 1.0).await;
-    // Fail with retries and no back-off: runnable at once, pushed at once.
+    // Fail with retries and no back-off: runnable at once, pushed at once. The clock
+    // starts before the call: the second activation's deadline is stamped after it.
+    let t0 = Instant::now();
     c.fail_job(key, 2, "retry me", Duration::ZERO)
         .await
         .expect("fail");
     let second = next(&mut s).await;
     assert_eq!((second.key, second.retries), (key, 2));
     // Not completed: the activation times out and the job is pushed again.
-    let t0 = Instant::now();
     let third = next(&mut s).await;
     assert_eq!(third.key, key);
     assert!(
-        t0.elapsed() >= Duration::from_millis(700),
+        t0.elapsed() >= Duration::from_millis(995),
         "{:?}",
         t0.elapsed()
     );
