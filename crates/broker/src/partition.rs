@@ -42,6 +42,12 @@ const MAX_INFLIGHT: usize = 2;
 /// that halves the log writes, and a create no longer queues behind a completion's
 /// flush; nothing but the completion's own answer waits on it.
 const COMPLETION_HOLD: Duration = Duration::from_millis(3);
+/// Completions are held only while such commands flow: the last two arrived at
+/// most this far apart, and the last at most this long before the completions, so
+/// the next is likely within the hold. On a quiet partition (a lone job created,
+/// then completed) there is nothing to ride with and no create to get in the way
+/// of, so a completion is proposed at once, not 3 ms later.
+const BUSY_LOOKBACK: Duration = Duration::from_millis(6);
 /// Most timed-out or recurring jobs handled in one command.
 const MAX_TIMER_KEYS: usize = 1000;
 /// Most jobs pushed per back-fill round (one log entry); a round is also bounded by
@@ -476,7 +482,7 @@ async fn run_proposer(
         // Armed only while ahead: past it, only the flush or the in-flight limit
         // holds the completions, and those have branches of their own.
         let held = (!pending.proposals.is_empty() && completions_only(&pending.proposals))
-            .then_some(pending.since + COMPLETION_HOLD)
+            .then_some(pending.since + pending.hold())
             .filter(|&until| until > tokio::time::Instant::now());
         tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -510,6 +516,7 @@ async fn run_proposer(
             appending.is_some(),
             inflight.len(),
             pending.since.elapsed(),
+            pending.hold(),
         ) {
             let batch = pending.take();
             let (signal, flushed) = FlushSignal::new();
@@ -528,6 +535,10 @@ struct Pending {
     bytes: usize,
     /// When the oldest of them arrived.
     since: tokio::time::Instant,
+    /// When the last command that is not a completion arrived (in this batch or
+    /// an earlier one), and how long after the one before it.
+    busy_at: Option<tokio::time::Instant>,
+    busy_gap: Option<Duration>,
 }
 
 impl Default for Pending {
@@ -536,6 +547,8 @@ impl Default for Pending {
             proposals: Vec::new(),
             bytes: 0,
             since: tokio::time::Instant::now(),
+            busy_at: None,
+            busy_gap: None,
         }
     }
 }
@@ -543,11 +556,22 @@ impl Default for Pending {
 impl Pending {
     /// Adds a command; the first one starts the hold's clock.
     fn add(&mut self, m: Proposal) {
+        let now = tokio::time::Instant::now();
         if self.proposals.is_empty() {
-            self.since = tokio::time::Instant::now();
+            self.since = now;
+        }
+        if !is_completion(&m.cmd) {
+            self.busy_gap = self.busy_at.map(|at| now.saturating_duration_since(at));
+            self.busy_at = Some(now);
         }
         self.bytes += approx_bytes(&m.cmd);
         self.proposals.push(m);
+    }
+
+    /// How long completions alone wait: [`COMPLETION_HOLD`] while work is flowing
+    /// (see [`BUSY_LOOKBACK`]), else not at all.
+    fn hold(&self) -> Duration {
+        hold_for(self.since, self.busy_at, self.busy_gap)
     }
 
     /// Whether the entry takes no more commands.
@@ -567,31 +591,51 @@ impl Pending {
 ///   Raft takes one append at a time, and whatever arrives meanwhile joins this entry;
 /// - not beyond [`MAX_INFLIGHT`] entries waiting to be applied;
 /// - when every pending command only completes a job, not before the oldest has
-///   waited [`COMPLETION_HOLD`] (`waited`) or the batch is `full`.
+///   waited `hold` (`waited`) or the batch is `full`.
 fn ready_to_propose(
     pending: &[Proposal],
     full: bool,
     appending: bool,
     inflight: usize,
     waited: Duration,
+    hold: Duration,
 ) -> bool {
     !pending.is_empty()
         && !appending
         && inflight < MAX_INFLIGHT
-        && (full || waited >= COMPLETION_HOLD || !completions_only(pending))
+        && (full || waited >= hold || !completions_only(pending))
+}
+
+/// The hold of completions the first of which arrived at `since`, when the last
+/// other command arrived at `busy_at`, `busy_gap` after the one before it.
+fn hold_for(
+    since: tokio::time::Instant,
+    busy_at: Option<tokio::time::Instant>,
+    busy_gap: Option<Duration>,
+) -> Duration {
+    match (busy_at, busy_gap) {
+        (Some(at), Some(gap))
+            if gap <= BUSY_LOOKBACK && since.saturating_duration_since(at) <= BUSY_LOOKBACK =>
+        {
+            COMPLETION_HOLD
+        }
+        _ => Duration::ZERO,
+    }
 }
 
 /// Whether every command only completes a job: nothing becomes runnable.
 fn completions_only(pending: &[Proposal]) -> bool {
-    pending.iter().all(|p| {
-        matches!(
-            p.cmd,
-            LogCommand::Client {
-                cmd: Command::Complete { .. },
-                ..
-            }
-        )
-    })
+    pending.iter().all(|p| is_completion(&p.cmd))
+}
+
+fn is_completion(cmd: &LogCommand) -> bool {
+    matches!(
+        cmd,
+        LogCommand::Client {
+            cmd: Command::Complete { .. },
+            ..
+        }
+    )
 }
 
 /// Proposes one entry and answers each of its commands.
@@ -1240,34 +1284,97 @@ mod tests {
     #[test]
     fn the_next_entry_waits_for_the_previous_flush_and_the_inflight_limit() {
         let pending = vec![create()];
-        let now = Duration::ZERO;
-        assert!(ready_to_propose(&pending, false, false, 0, now));
+        let (now, hold) = (Duration::ZERO, COMPLETION_HOLD);
+        assert!(ready_to_propose(&pending, false, false, 0, now, hold));
         assert!(ready_to_propose(
             &pending,
             false,
             false,
             MAX_INFLIGHT - 1,
-            now
+            now,
+            hold
         ));
-        assert!(!ready_to_propose(&pending, false, true, 0, now));
-        assert!(!ready_to_propose(&pending, false, false, MAX_INFLIGHT, now));
-        assert!(!ready_to_propose(&[], false, false, 0, COMPLETION_HOLD));
+        assert!(!ready_to_propose(&pending, false, true, 0, now, hold));
+        assert!(!ready_to_propose(
+            &pending,
+            false,
+            false,
+            MAX_INFLIGHT,
+            now,
+            hold
+        ));
+        assert!(!ready_to_propose(&[], false, false, 0, hold, hold));
+        assert!(!ready_to_propose(&[], false, false, 0, now, Duration::ZERO));
     }
 
     #[test]
     fn completions_alone_wait_for_work_to_ride_with() {
         let mut pending = vec![complete(1), complete(2)];
-        let short = COMPLETION_HOLD / 2;
+        let (short, hold) = (COMPLETION_HOLD / 2, COMPLETION_HOLD);
         // Even with nothing in flight, they wait ...
-        assert!(!ready_to_propose(&pending, false, false, 0, short));
+        assert!(!ready_to_propose(&pending, false, false, 0, short, hold));
         // ... until the hold is over ...
-        assert!(ready_to_propose(&pending, false, false, 0, COMPLETION_HOLD));
+        assert!(ready_to_propose(&pending, false, false, 0, hold, hold));
         // ... and then not past the flush and in-flight limits ...
-        assert!(!ready_to_propose(&pending, false, true, 0, COMPLETION_HOLD));
+        assert!(!ready_to_propose(&pending, false, true, 0, hold, hold));
         // ... or until the batch is full ...
-        assert!(ready_to_propose(&pending, true, false, 1, short));
+        assert!(ready_to_propose(&pending, true, false, 1, short, hold));
         // ... or a command that makes work runnable joins them.
         pending.push(create());
-        assert!(ready_to_propose(&pending, false, false, 1, short));
+        assert!(ready_to_propose(&pending, false, false, 1, short, hold));
+        // Without a hold (a quiet partition), completions go at once.
+        pending.pop();
+        assert!(ready_to_propose(
+            &pending,
+            false,
+            false,
+            0,
+            Duration::ZERO,
+            Duration::ZERO
+        ));
+    }
+
+    #[test]
+    fn completions_are_held_only_while_work_is_flowing() {
+        let t0 = tokio::time::Instant::now();
+        let (close, far) = (BUSY_LOOKBACK, BUSY_LOOKBACK + Duration::from_millis(1));
+        // Nothing else ever proposed: a quiet partition.
+        assert_eq!(hold_for(t0, None, None), Duration::ZERO);
+        // Creates coming close together, the last just before: more are likely
+        // within the hold.
+        assert_eq!(hold_for(t0 + close, Some(t0), Some(close)), COMPLETION_HOLD);
+        // One create just before, the one before it long ago (a lone job created,
+        // then completed): nothing to wait for.
+        assert_eq!(hold_for(t0 + close, Some(t0), Some(far)), Duration::ZERO);
+        assert_eq!(hold_for(t0, Some(t0), None), Duration::ZERO);
+        // The last create long ago: nothing to wait for.
+        assert_eq!(hold_for(t0 + far, Some(t0), Some(close)), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pending_completions_hold_only_after_recent_work() {
+        let mut pending = Pending::default();
+        pending.add(complete(1));
+        assert_eq!(pending.hold(), Duration::ZERO, "nothing else was proposed");
+        pending.take();
+        pending.add(create());
+        pending.take();
+        tokio::time::advance(BUSY_LOOKBACK / 2).await;
+        pending.add(complete(2));
+        assert_eq!(pending.hold(), Duration::ZERO, "a lone create");
+        pending.take();
+        pending.add(create());
+        pending.take();
+        tokio::time::advance(BUSY_LOOKBACK / 2).await;
+        pending.add(complete(3));
+        assert_eq!(pending.hold(), COMPLETION_HOLD, "creates are flowing");
+        pending.take();
+        tokio::time::advance(BUSY_LOOKBACK * 2).await;
+        pending.add(complete(4));
+        assert_eq!(
+            pending.hold(),
+            Duration::ZERO,
+            "the last create is long past"
+        );
     }
 }
