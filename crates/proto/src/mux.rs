@@ -122,24 +122,24 @@ impl<Req: Frame, Rep: Frame> Mux<Req, Rep> {
         let (tx, rx) = oneshot::channel();
         s.waiting.insert(id, tx);
         // The reader empties `waiting` once the stream ended: checked after the
-        // insert, so no call waits on a stream nobody reads any more.
-        if s.ended.is_cancelled() {
+        // insert, so no call waits on a stream nobody reads any more. A full queue
+        // (the peer reads slowly) holds the call only until its deadline.
+        let sent = if s.ended.is_cancelled() {
+            Err(CallError::NotSent)
+        } else {
+            match tokio::time::timeout_at(deadline, s.requests.send(request)).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(_)) => {
+                    s.ended.cancel();
+                    Err(CallError::NotSent)
+                }
+                // Not sent, but past its deadline: nothing retries it either way.
+                Err(_) => Err(CallError::TimedOut),
+            }
+        };
+        if let Err(e) = sent {
             s.waiting.remove(&id);
-            return Err(CallError::NotSent);
-        }
-        // A full queue (the peer reads slowly) holds the call only until its deadline.
-        match tokio::time::timeout_at(deadline, s.requests.send(request)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) => {
-                s.waiting.remove(&id);
-                s.ended.cancel();
-                return Err(CallError::NotSent);
-            }
-            // Not sent, but past its deadline: nothing retries it either way.
-            Err(_) => {
-                s.waiting.remove(&id);
-                return Err(CallError::TimedOut);
-            }
+            return Err(e);
         }
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(reply)) => Ok(reply),
