@@ -78,6 +78,17 @@ impl BrokerConfig {
         Ok(())
     }
 
+    /// What a data directory records of the cluster it belongs to (see
+    /// [`crate::store::check_shape`]): this broker's id, every broker's id, the
+    /// partitions and the replication factor. Addresses may change between runs.
+    pub fn shape(&self) -> String {
+        let ids: Vec<NodeId> = self.brokers.keys().copied().collect();
+        format!(
+            "node {} of brokers {ids:?}, {} partitions, replication factor {}",
+            self.node_id, self.partitions, self.replication_factor
+        )
+    }
+
     /// The brokers holding `partition`, round-robin over brokers ordered by id.
     pub fn replicas(&self, partition: u32) -> Vec<NodeId> {
         let ids: Vec<NodeId> = self.brokers.keys().copied().collect();

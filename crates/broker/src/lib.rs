@@ -74,6 +74,7 @@ pub async fn run(
     let config = Arc::new(config);
     std::fs::create_dir_all(&config.data_dir)?;
     store::check_format(&config.data_dir).map_err(Error::Storage)?;
+    store::check_shape(&config.data_dir, &config.shape()).map_err(Error::Storage)?;
     let db = Db::open(&config.data_dir.join("db"), config.durability)
         .map_err(|e| Error::Storage(e.to_string()))?;
     let peers = PeerChannels::new(shutdown.clone());

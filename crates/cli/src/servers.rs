@@ -248,18 +248,31 @@ pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
     if a.metrics_addr != "off" {
         serve_metrics(&a.metrics_addr, shutdown.clone()).await?;
     }
+    let configs: Vec<(BrokerConfig, _)> = listeners
+        .into_iter()
+        .map(|(id, listener)| {
+            let config = BrokerConfig {
+                node_id: id,
+                brokers: brokers.clone(),
+                partitions: a.partitions,
+                replication_factor: rf,
+                data_dir: a.data_dir.join(format!("broker-{id}")),
+                durability: a.durability,
+                raft: RaftTuning::default(),
+                lost_gateway_grace: a.lost_gateway.lost_gateway_grace.0,
+            };
+            (config, listener)
+        })
+        .collect();
+    // Every broker's directory is checked before any starts: one that refuses
+    // must not leave the others' directories marked with the shape it refused.
+    for (config, _) in &configs {
+        courier_broker::store::compare_shape(&config.data_dir, &config.shape())
+            .map_err(|e| anyhow::anyhow!("broker {}: {e}", config.node_id))?;
+    }
     let mut tasks = tokio::task::JoinSet::new();
-    for (id, listener) in listeners {
-        let config = BrokerConfig {
-            node_id: id,
-            brokers: brokers.clone(),
-            partitions: a.partitions,
-            replication_factor: rf,
-            data_dir: a.data_dir.join(format!("broker-{id}")),
-            durability: a.durability,
-            raft: RaftTuning::default(),
-            lost_gateway_grace: a.lost_gateway.lost_gateway_grace.0,
-        };
+    for (config, listener) in configs {
+        let id = config.node_id;
         let s = shutdown.clone();
         tasks.spawn(async move {
             courier_broker::run(config, listener, s)

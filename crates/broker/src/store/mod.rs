@@ -81,6 +81,40 @@ pub fn check_format(dir: &Path) -> Result<(), String> {
     }
 }
 
+/// Makes sure `dir` was written by a broker of the same cluster shape, `shape` (see
+/// [`crate::config::BrokerConfig::shape`]): Raft's membership and the placement of
+/// partitions come from it, and a replica restarted into another one would misread
+/// its log (openraft panics on it) and hand out keys again. A new directory, or one
+/// from before shapes were recorded, is marked with `shape`.
+pub fn check_shape(dir: &Path, shape: &str) -> Result<(), String> {
+    if !compare_shape(dir, shape)? {
+        let marker = dir.join("CLUSTER");
+        write_durably(dir, &marker, format!("{shape}\n").as_bytes())
+            .map_err(|e| format!("cannot mark {}: {e}", marker.display()))?;
+    }
+    Ok(())
+}
+
+/// [`check_shape`] without marking anything: whether `dir` records `shape` (true),
+/// records none (false), or another one (the error says what to do).
+pub fn compare_shape(dir: &Path, shape: &str) -> Result<bool, String> {
+    let marker = dir.join("CLUSTER");
+    match std::fs::read_to_string(&marker) {
+        Ok(text) if text.trim() == shape => Ok(true),
+        Ok(text) => Err(format!(
+            "the data directory {} belongs to {}; this broker is configured as {shape}. \
+             Brokers, partitions and replication factor cannot change over existing \
+             data: start with the options that wrote it (for `courier dev`: --brokers, \
+             --partitions, --replication-factor), or use another --data-dir (or remove \
+             this one: its jobs are lost)",
+            dir.display(),
+            text.trim()
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(format!("cannot read {}: {e}", marker.display())),
+    }
+}
+
 /// Writes `path` (in `dir`) whole or not at all, and makes it durable: through a
 /// temporary file, fsynced, renamed over it, and the directory fsynced.
 fn write_durably(dir: &Path, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
@@ -433,6 +467,31 @@ mod tests {
         std::fs::create_dir_all(old.join("db")).unwrap();
         let e = check_format(&old).unwrap_err();
         assert!(e.contains("before formats were marked"), "{e}");
+    }
+
+    #[test]
+    fn a_data_directory_of_another_cluster_shape_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("broker");
+        let one = "node 1 of brokers [1], 2 partitions, replication factor 1";
+        check_shape(&data, one).expect("a new directory");
+        assert_eq!(
+            std::fs::read_to_string(data.join("CLUSTER")).unwrap(),
+            format!("{one}\n")
+        );
+        check_shape(&data, one).expect("its own shape");
+        let three = "node 1 of brokers [1, 2, 3], 2 partitions, replication factor 3";
+        let e = check_shape(&data, three).unwrap_err();
+        assert!(
+            e.contains(one) && e.contains(three) && e.contains("--brokers"),
+            "{e}"
+        );
+        // The refusal leaves the directory as it was.
+        check_shape(&data, one).expect("still its own shape");
+        assert_eq!(compare_shape(&data, one), Ok(true));
+        assert!(compare_shape(&data, three).is_err());
+        assert_eq!(compare_shape(&dir.path().join("new"), three), Ok(false));
+        assert!(!dir.path().join("new").exists(), "comparing marks nothing");
     }
 
     /// What waits for a flush runs after the syncer's next fdatasync, in order, with
