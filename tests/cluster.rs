@@ -387,13 +387,7 @@ async fn a_restarted_broker_catches_up_through_a_snapshot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_the_status_zeebe_clients_expect() {
     let _g = serial().await;
-    let cluster = Cluster::start(ClusterOpts {
-        brokers: 1,
-        partitions: 2,
-        replication_factor: 1,
-        ..ClusterOpts::default()
-    })
-    .await;
+    let cluster = Cluster::start(ClusterOpts::one_broker(2)).await;
     let c = cluster.client();
     fn code<T>(r: Result<T, courier_client::ClientError>) -> Option<Code> {
         r.err().and_then(|e| e.code())
@@ -933,13 +927,7 @@ async fn jobs_activated_for_a_poll_whose_client_left_are_given_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poll_answer_stays_within_what_clients_accept_and_the_rest_waits_its_turn() {
     let _g = serial().await;
-    let cluster = Cluster::start(ClusterOpts {
-        brokers: 1,
-        partitions: 1,
-        replication_factor: 1,
-        ..ClusterOpts::default()
-    })
-    .await;
+    let cluster = Cluster::start(ClusterOpts::one_broker(1)).await;
     let c = cluster.client();
     let big = format!("{{\"blob\":\"{}\"}}", "b".repeat(1536 * 1024));
     let mut keys = BTreeSet::new();

@@ -1008,13 +1008,7 @@ async fn a_link_that_falls_behind_the_notices_stays_up_and_hears_every_type_agai
         broker_client::BrokerClient, broker_message, gateway_message, GatewayHello, GatewayMessage,
     };
     let _g = serial().await;
-    let cluster = Cluster::start(ClusterOpts {
-        brokers: 1,
-        partitions: 1,
-        replication_factor: 1,
-        ..ClusterOpts::default()
-    })
-    .await;
+    let cluster = Cluster::start(ClusterOpts::one_broker(1)).await;
     let c = cluster.client();
     let addr = cluster.broker_addrs.values().next().cloned().unwrap();
     // Small windows: a few hundred notices fill them, and the broker stops sending.
@@ -1100,6 +1094,105 @@ async fn a_link_that_falls_behind_the_notices_stays_up_and_hears_every_type_agai
             .expect("link closed");
         if matches!(msg.kind, Some(broker_message::Kind::JobsAvailable(j)) if j.r#type == "after") {
             break;
+        }
+    }
+}
+
+/// A job whose push was refused because its stream had just gone is yielded back to
+/// the log. A stream that registered, with room, while that yield was on its way was
+/// back-filled before the job was runnable again, so it got nothing then: once the
+/// yield applies, the leader offers the job to it. Before, the job waited for a poll
+/// (a Zeebe worker that reconnects at once, and does not poll, waited indefinitely).
+/// Played over the link protocol, so the order of events is the test's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_yielded_job_goes_to_a_stream_that_got_room_while_its_yield_was_on_its_way() {
+    use courier_proto::cluster::{
+        broker_client::BrokerClient, gateway_message, GatewayHello, GatewayMessage, PushAck,
+        RegisterStream, StreamCredit, StreamProps, UnregisterStream,
+    };
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::one_broker(1)).await;
+    let c = cluster.client();
+    let addr = cluster.broker_addrs.values().next().cloned().unwrap();
+    let (tx, rx) = futures::channel::mpsc::unbounded();
+    let send = |kind| {
+        tx.unbounded_send(GatewayMessage { kind: Some(kind) })
+            .expect("link open");
+    };
+    let register = |stream_id, worker: &str| {
+        gateway_message::Kind::Register(RegisterStream {
+            stream_id,
+            props: Some(StreamProps {
+                r#type: "rejoin".into(),
+                worker: worker.into(),
+                timeout: 60_000,
+                fetch_variable: vec![],
+                tenant_ids: vec![DEFAULT_TENANT.into()],
+            }),
+        })
+    };
+    let credit = |stream_id| {
+        gateway_message::Kind::Credit(StreamCredit {
+            stream_id,
+            free: 1,
+            received: 0,
+        })
+    };
+    send(gateway_message::Kind::Hello(GatewayHello {
+        gateway_id: "played-rejoin".into(),
+    }));
+    send(register(1, "first"));
+    send(credit(1));
+    let mut inbound = BrokerClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect to the broker")
+        .link(rx)
+        .await
+        .expect("link")
+        .into_inner();
+    wait_registered(&cluster, 1.0).await;
+    let key = c
+        .create_job(NewJob::new("rejoin"))
+        .await
+        .expect("create")
+        .key;
+    let first = next_push(&mut inbound).await;
+    assert_eq!((first.stream_id, first.job.as_ref().unwrap().key), (1, key));
+    // The client leaves and comes back as a stream of its own (another worker name,
+    // so the refused push cannot try it next), all before the refusal arrives.
+    send(gateway_message::Kind::Unregister(UnregisterStream {
+        stream_id: 1,
+    }));
+    send(register(2, "second"));
+    send(credit(2));
+    send(gateway_message::Kind::PushAck(PushAck {
+        push_id: first.push_id,
+        accepted: false,
+        reason: "unknown_stream".into(),
+    }));
+    let again = next_push(&mut inbound).await;
+    assert_eq!((again.stream_id, again.job.as_ref().unwrap().key), (2, key));
+    assert_ne!(again.lease, first.lease, "a new activation");
+    assert_eq!(
+        cluster
+            .broker_metric("courier_broker_yields_total{source=\"all_refused\"}")
+            .await,
+        1.0
+    );
+}
+
+/// The next push a played gateway's link hears, within 5 s.
+async fn next_push(
+    inbound: &mut tonic::Streaming<courier_proto::cluster::BrokerMessage>,
+) -> PushJob {
+    loop {
+        let msg = tokio::time::timeout(Duration::from_secs(5), inbound.message())
+            .await
+            .expect("a push within 5 s")
+            .expect("link healthy")
+            .expect("link open");
+        if let Some(courier_proto::cluster::broker_message::Kind::Push(p)) = msg.kind {
+            return p;
         }
     }
 }

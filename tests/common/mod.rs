@@ -87,6 +87,18 @@ impl Default for ClusterOpts {
     }
 }
 
+impl ClusterOpts {
+    /// One broker holding `partitions`, no replication.
+    pub fn one_broker(partitions: u32) -> ClusterOpts {
+        ClusterOpts {
+            brokers: 1,
+            partitions,
+            replication_factor: 1,
+            ..ClusterOpts::default()
+        }
+    }
+}
+
 /// A `courier` process; killed when dropped.
 pub struct Proc {
     child: Option<Child>,

@@ -749,7 +749,10 @@ fn carry_out(
             Effect::JobsAvailable {
                 job_type,
                 tenant_id,
-            } => p.announce(job_type, tenant_id),
+            } => {
+                p.backfill_streams_of(&job_type, &tenant_id);
+                p.announce(job_type, tenant_id);
+            }
             Effect::Push(push) => {
                 if push.origin == PushOrigin::Backfill {
                     metrics::BACKFILLED.inc();
@@ -910,6 +913,19 @@ impl Partition {
     /// and a round need not wait for an earlier one: every credit report can start one,
     /// and the proposer puts the rounds waiting together into one log entry. A backlog
     /// larger than the credit goes as more credit is reported.
+    /// Jobs of this type and tenant became runnable without a push (a yield, a
+    /// create or failure whose targets were chosen before a stream got room, ...).
+    /// A stream that got room while they were activated, or before their entry
+    /// applied, was back-filled without them and hears of them no other way: offer
+    /// them to every stream that has room now. The stream that refused a yielded job
+    /// has none (its gateway reported so, or it is gone), so it is not pushed there
+    /// again at once.
+    fn backfill_streams_of(self: &Arc<Self>, job_type: &str, tenant: &str) {
+        for props in self.registry.streams_with_room(job_type, tenant) {
+            self.backfill(props);
+        }
+    }
+
     pub fn backfill(self: &Arc<Self>, props: ActivationProps) {
         if self.shutdown.is_cancelled() || !self.is_leader() {
             return;

@@ -91,6 +91,11 @@ impl Link {
         }
     }
 
+    /// Whether the queue towards the gateway is full: it has stopped reading.
+    pub fn is_full(&self) -> bool {
+        self.tx.capacity() == 0
+    }
+
     /// The gateway answered push `push_id`.
     pub fn acked(&self, push_id: u64, accepted: bool, reason: String) {
         if let Some((_, tx)) = self.pending.remove(&push_id) {
@@ -422,7 +427,13 @@ impl JobStreamRegistry {
         Some((*l, *r))
     }
 
+    /// Credit of `r` that pushes may take now: none while its link's queue is full
+    /// (the gateway is not reading; a push would be refused as `link_busy` and its
+    /// credit given back, so choosing it again would only go round that loop).
     fn available(&self, r: &Recipient) -> u64 {
+        if self.links.get(&r.link).is_some_and(|l| l.is_full()) {
+            return 0;
+        }
         self.credits.get(r).map_or(0, |c| c.available())
     }
 
@@ -461,6 +472,21 @@ impl JobStreamRegistry {
         // Reports can overtake nothing on one link, but be safe with stale ones.
         c.received = c.received.max(received);
         c.available() > before
+    }
+
+    /// The properties of every logical stream that takes jobs of this type and tenant
+    /// and has a recipient with credit: the streams a back-fill could push to now.
+    pub fn streams_with_room(&self, job_type: &str, tenant: &str) -> Vec<ActivationProps> {
+        let Some(logicals) = self.streams.get(job_type) else {
+            return Vec::new();
+        };
+        // Collected, so the map's guard is gone before a back-fill takes credit.
+        logicals
+            .iter()
+            .filter(|l| l.props.tenant_ids.iter().any(|t| t == tenant))
+            .filter(|l| l.recipients.iter().any(|r| self.available(r) > 0))
+            .map(|l| l.props.clone())
+            .collect()
     }
 
     /// Every recipient of the logical stream with these properties, starting after
@@ -588,6 +614,37 @@ mod tests {
                 stream_id: 20
             }]
         );
+    }
+
+    #[test]
+    fn streams_with_room_are_those_of_the_type_and_tenant_with_credit() {
+        let reg = JobStreamRegistry::default();
+        let (l1, _rx1) = reg.add_link();
+        reg.register(l1.id, 1, props("a", "w1"));
+        reg.register(l1.id, 2, props("a", "w2"));
+        reg.register(l1.id, 3, props("b", "w1"));
+        assert!(
+            reg.streams_with_room("a", DEFAULT_TENANT).is_empty(),
+            "no credit yet"
+        );
+        reg.report_credit(l1.id, 2, 1, 0);
+        reg.report_credit(l1.id, 3, 1, 0);
+        assert_eq!(
+            reg.streams_with_room("a", DEFAULT_TENANT),
+            vec![props("a", "w2")]
+        );
+        assert!(
+            reg.streams_with_room("a", "acme").is_empty(),
+            "other tenant"
+        );
+        assert!(
+            reg.streams_with_room("c", DEFAULT_TENANT).is_empty(),
+            "no stream"
+        );
+        // Its one credit held for a push: no room left.
+        let t = reg.target_for(&props("a", "w2"), 1).expect("room");
+        assert_eq!(t.max, 1);
+        assert!(reg.streams_with_room("a", DEFAULT_TENANT).is_empty());
     }
 
     #[test]
