@@ -10,6 +10,10 @@ use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
 
+/// Largest answer the client takes: an ActivateJobs answer carries up to 4 MiB of
+/// jobs, a GetJob answer a job and its last error message.
+const MAX_ANSWER_BYTES: usize = 64 * 1024 * 1024;
+
 /// A handle to one gateway. Cloning is cheap: clones share the channel, so make one
 /// per gateway and hand clones to tasks.
 ///
@@ -56,8 +60,10 @@ impl Client {
     /// A client over a channel built elsewhere (other settings, TLS).
     pub fn from_channel(channel: Channel) -> Client {
         Client {
-            jobs: JobsClient::new(channel.clone()),
-            gateway: GatewayClient::new(channel),
+            // A job fits in 4 MiB, but GetJob also carries its last error message,
+            // which no limit bounds: tonic's default of 4 MiB would refuse it.
+            jobs: JobsClient::new(channel.clone()).max_decoding_message_size(MAX_ANSWER_BYTES),
+            gateway: GatewayClient::new(channel).max_decoding_message_size(MAX_ANSWER_BYTES),
             backoff: Backoff::default(),
             retry_budget: DEFAULT_RETRY_BUDGET,
         }

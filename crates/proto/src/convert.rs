@@ -119,7 +119,7 @@ pub fn create_request(r: &v1::CreateJobRequest) -> Result<NewJob, String> {
     if retries < 1 {
         return Err(format!("retries must be at least 1, got {retries}"));
     }
-    Ok(NewJob {
+    let job = NewJob {
         job_type: r.r#type.clone(),
         variables: validate::json_object("variables", &r.variables)?,
         custom_headers: validate::custom_headers(&r.custom_headers)?,
@@ -133,7 +133,18 @@ pub fn create_request(r: &v1::CreateJobRequest) -> Result<NewJob, String> {
             element_id: r.element_id.clone(),
             element_instance_key: r.element_instance_key,
         },
-    })
+    };
+    let bytes = job_text_bytes(
+        &job.job_type,
+        &job.tenant_id,
+        &job.variables,
+        &job.custom_headers,
+        &job.process,
+    );
+    if bytes > MAX_JOB_BYTES {
+        return Err(job_too_large(bytes));
+    }
+    Ok(job)
 }
 
 impl From<ActivatedJob> for gw::ActivatedJob {
@@ -300,5 +311,22 @@ mod tests {
         assert_eq!(j.variables, "{}");
         assert_eq!(j.custom_headers, "{}");
         assert_eq!(j.tenant_id, DEFAULT_TENANT);
+    }
+
+    #[test]
+    fn a_job_must_fit_in_the_message_a_client_receives() {
+        let doc = |n: usize| format!("{{\"a\":\"{}\"}}", "x".repeat(n));
+        let r = |vars: usize, headers: usize| v1::CreateJobRequest {
+            r#type: "t".into(),
+            variables: doc(vars),
+            custom_headers: doc(headers),
+            ..Default::default()
+        };
+        // Each document under its own limit, both together over the job's.
+        let half = MAX_JOB_BYTES / 2;
+        let e = create_request(&r(half, half)).unwrap_err();
+        assert!(e.contains(&MAX_JOB_BYTES.to_string()), "{e}");
+        let fits = MAX_JOB_BYTES - 100;
+        create_request(&r(fits / 2, fits / 2 - 100)).expect("under the limit");
     }
 }

@@ -9,6 +9,12 @@ pub const DEFAULT_TENANT: &str = "<default>";
 pub const KEY_PARTITION_SHIFT: u32 = 51;
 /// Largest variables document a job may carry.
 pub const MAX_VARIABLES_BYTES: usize = 4 * 1024 * 1024;
+/// Most bytes of a job's own text: its type, tenant, variables, custom headers and
+/// process fields together. An activated job must fit in one message of the 4 MiB
+/// that Zeebe's clients receive by default (a job that does not could never be
+/// handed out, and would time out and come back for ever); 64 KiB are left for the
+/// worker's name, the numbers and the framing.
+pub const MAX_JOB_BYTES: usize = MAX_VARIABLES_BYTES - 64 * 1024;
 /// Retries of a job created without an explicit count.
 pub const DEFAULT_RETRIES: i32 = 3;
 
@@ -76,6 +82,33 @@ pub struct NewJob {
     pub retries: i32,
     pub tenant_id: String,
     pub process: ProcessContext,
+}
+
+impl ProcessContext {
+    /// Bytes of its text fields.
+    pub fn text_bytes(&self) -> usize {
+        self.bpmn_process_id.len() + self.element_id.len()
+    }
+}
+
+/// Bytes of a job's own text, as [`MAX_JOB_BYTES`] counts them.
+pub fn job_text_bytes(
+    job_type: &str,
+    tenant_id: &str,
+    variables: &str,
+    custom_headers: &str,
+    process: &ProcessContext,
+) -> usize {
+    job_type.len() + tenant_id.len() + variables.len() + custom_headers.len() + process.text_bytes()
+}
+
+/// The INVALID_ARGUMENT message for a job of `bytes` over [`MAX_JOB_BYTES`].
+pub fn job_too_large(bytes: usize) -> String {
+    format!(
+        "the job would be {bytes} bytes (type, tenant, variables, custom headers and \
+         process fields together), more than the limit of {MAX_JOB_BYTES}: a job must \
+         fit in the 4 MiB message a Zeebe client receives"
+    )
 }
 
 /// What a worker asks for when it activates jobs (poll) or opens a stream.

@@ -7,8 +7,8 @@
 //! after the entry is applied; followers drop them.
 
 use courier_proto::domain::{
-    ActivatedJob, ActivationProps, BrokerError, Command, JobKey, JobStateKind, JobView, NewJob,
-    PartitionId, ProcessContext, Reply,
+    job_text_bytes, job_too_large, ActivatedJob, ActivationProps, BrokerError, Command, JobKey,
+    JobStateKind, JobView, NewJob, PartitionId, ProcessContext, Reply, MAX_JOB_BYTES,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -563,13 +563,33 @@ impl State {
                 variables,
             } => {
                 self.expect_activated(*key, "fail")?;
+                // The job runs again with the variables merged in: it must still fit
+                // in the message that hands it out.
+                let merged = match variables {
+                    Some(v) => {
+                        let job = self.job_mut(*key, "fail")?;
+                        let merged = merge_objects(&job.variables, v);
+                        let bytes = job_text_bytes(
+                            &job.job_type,
+                            &job.tenant_id,
+                            &merged,
+                            &job.custom_headers,
+                            &job.process,
+                        );
+                        if bytes > MAX_JOB_BYTES {
+                            return Err(BrokerError::InvalidArgument(job_too_large(bytes)));
+                        }
+                        Some(merged)
+                    }
+                    None => None,
+                };
                 self.end_activation(*key, effects);
                 self.unindex(*key);
                 let job = self.job_mut(*key, "fail")?;
                 job.retries = (*retries).max(0);
                 job.error_message = error_message.clone();
-                if let Some(v) = variables {
-                    job.variables = merge_objects(&job.variables, v);
+                if let Some(merged) = merged {
+                    job.variables = merged;
                 }
                 changes.insert(*key);
                 if *retries <= 0 {
