@@ -71,17 +71,13 @@ pub fn complete_request(r: &gw::CompleteJobRequest) -> Result<Command, String> {
 }
 
 pub fn fail_request(r: &gw::FailJobRequest) -> Result<Command, String> {
-    if r.retry_back_off < 0 {
-        return Err(format!(
-            "retryBackOff must not be negative, got {}",
-            r.retry_back_off
-        ));
-    }
     Ok(Command::Fail {
         key: JobKey(r.job_key),
         retries: r.retries,
         error_message: r.error_message.clone(),
-        retry_backoff_ms: r.retry_back_off,
+        // As in Zeebe, a back-off that is not positive is none: the job is runnable
+        // again at once.
+        retry_backoff_ms: r.retry_back_off.max(0),
         variables: validate::optional_json_object("variables", &r.variables)?,
     })
 }
@@ -277,6 +273,24 @@ mod tests {
             ..Default::default()
         };
         assert!(throw_error_request(&r).unwrap_err().contains("errorCode"));
+    }
+
+    #[test]
+    fn a_back_off_that_is_not_positive_is_none() {
+        for (given, kept) in [(-1000, 0), (0, 0), (250, 250)] {
+            let r = gw::FailJobRequest {
+                job_key: JobKey::new(PartitionId(1), 1).0,
+                retries: 2,
+                retry_back_off: given,
+                ..Default::default()
+            };
+            match fail_request(&r) {
+                Ok(Command::Fail {
+                    retry_backoff_ms, ..
+                }) => assert_eq!(retry_backoff_ms, kept, "retryBackOff {given}"),
+                other => panic!("retryBackOff {given}: {other:?}"),
+            }
+        }
     }
 
     #[test]
