@@ -177,12 +177,12 @@ pub async fn job(opts: ClientOpts, cmd: JobCmd) -> anyhow::Result<()> {
             if count == 1 {
                 let created = client.create_job(new_job).await?;
                 if json {
-                    println!(
+                    out!(
                         "{}",
                         json!({"key": created.key, "partitionId": created.partition_id})
                     );
                 } else {
-                    println!("{}", created.key);
+                    out!("{}", created.key);
                 }
             } else {
                 create_many(&client, new_job, count, json).await?;
@@ -204,15 +204,15 @@ pub async fn job(opts: ClientOpts, cmd: JobCmd) -> anyhow::Result<()> {
                 .tenant_ids(tenants);
             let jobs = client.activate_jobs(request).await?;
             if json {
-                println!(
+                out!(
                     "{}",
                     Value::Array(jobs.iter().map(activated_json).collect())
                 );
             } else if jobs.is_empty() {
-                println!("no jobs activated");
+                out!("no jobs activated");
             } else {
                 for j in &jobs {
-                    println!(
+                    out!(
                         "{}  type={}  retries={}  deadline={}  variables={}",
                         j.key,
                         j.r#type,
@@ -277,9 +277,9 @@ pub async fn job(opts: ClientOpts, cmd: JobCmd) -> anyhow::Result<()> {
         JobCmd::Get { key } => {
             let job = client.get_job(key).await?;
             if json {
-                println!("{}", job_json(&job));
+                out!("{}", job_json(&job));
             } else {
-                print!("{}", render_job(&job));
+                out_raw!("{}", render_job(&job));
             }
         }
     }
@@ -291,9 +291,9 @@ pub async fn status(opts: ClientOpts) -> anyhow::Result<()> {
     let client = opts.client()?;
     let topology = client.topology().await?;
     if opts.json {
-        println!("{}", topology_json(&topology));
+        out!("{}", topology_json(&topology));
     } else {
-        print!("{}", render_topology(&topology));
+        out_raw!("{}", render_topology(&topology));
     }
     Ok(())
 }
@@ -340,12 +340,12 @@ async fn create_many(client: &Client, job: NewJob, count: u32, json: bool) -> an
     let seconds = start.elapsed().as_secs_f64();
     let rate = created as f64 / seconds.max(1e-9);
     if json {
-        println!(
+        out!(
             "{}",
             json!({"created": created, "seconds": seconds, "rate": rate})
         );
     } else {
-        println!("created {created} jobs in {seconds:.3} s ({rate:.0} jobs/s)");
+        out!("created {created} jobs in {seconds:.3} s ({rate:.0} jobs/s)");
     }
     Ok(())
 }
@@ -372,9 +372,9 @@ fn create_progress_bar(count: u32) -> indicatif::ProgressBar {
 /// Prints the outcome of a command that answers nothing but success.
 fn done(json: bool, value: Value, text: impl FnOnce() -> String) {
     if json {
-        println!("{value}");
+        out!("{value}");
     } else {
-        println!("{}", text());
+        out!("{}", text());
     }
 }
 

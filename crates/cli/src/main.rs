@@ -1,9 +1,50 @@
 //! The `courier` binary: servers (`dev`, `broker`, `gateway`) and the client side
 //! (`job ...`, `worker`, `status`). Thin: everything real lives in the library crates.
 
+/// `println!` for a command's output. When stdout is closed (`courier job get KEY
+/// --json | head -c 100`), the command stops quietly, with the exit status of a
+/// process killed by SIGPIPE as other Unix tools have, instead of panicking.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::write_stdout(format_args!("{}\n", format_args!($($arg)*)), true)
+    };
+}
+
+/// `print!` for a command's output; see [`out!`].
+macro_rules! out_raw {
+    ($($arg:tt)*) => {
+        $crate::write_stdout(format_args!($($arg)*), true)
+    };
+}
+
+/// `println!` for the worker's report of each job: a worker whose stdout was closed
+/// goes on running jobs (they are its point, not the report).
+macro_rules! report {
+    ($($arg:tt)*) => {
+        $crate::write_stdout(format_args!("{}\n", format_args!($($arg)*)), false)
+    };
+}
+
 mod client_cmds;
 mod servers;
 mod worker_cmd;
+
+/// Writes to stdout; a failed write ends the process (status 141 for a closed pipe,
+/// 1 otherwise) when `fatal`, and is ignored when not.
+pub(crate) fn write_stdout(args: std::fmt::Arguments<'_>, fatal: bool) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_fmt(args).and_then(|()| stdout.flush()) {
+        if fatal {
+            drop(stdout);
+            if e.kind() != std::io::ErrorKind::BrokenPipe {
+                eprintln!("error: cannot write the output: {e}");
+                std::process::exit(1);
+            }
+            std::process::exit(141);
+        }
+    }
+}
 
 use clap::{Parser, Subcommand};
 

@@ -99,7 +99,7 @@ pub async fn worker(opts: ClientOpts, args: WorkerArgs) -> anyhow::Result<()> {
     worker.shutdown().await;
     let s = metrics.snapshot();
     if json {
-        println!(
+        report!(
             "{}",
             json!({
                 "completed": s.completed,
@@ -111,7 +111,7 @@ pub async fn worker(opts: ClientOpts, args: WorkerArgs) -> anyhow::Result<()> {
             })
         );
     } else {
-        println!(
+        report!(
             "stopped: {} completed, {} failed, {} given back; received {} pushed, {} polled",
             s.completed,
             s.failed,
@@ -218,32 +218,32 @@ fn print_outcome(json: bool, key: i64, outcome: &JobOutcome) {
             if json {
                 let variables = serde_json::from_str::<Value>(or_empty_object(variables))
                     .unwrap_or_else(|_| json!({}));
-                println!(
+                report!(
                     "{}",
                     json!({"key": key, "outcome": "completed", "variables": variables})
                 );
             } else {
-                println!("completed job {key} {}", or_empty_object(variables));
+                report!("completed job {key} {}", or_empty_object(variables));
             }
         }
         JobOutcome::Fail { message, .. } => {
             if json {
-                println!(
+                report!(
                     "{}",
                     json!({"key": key, "outcome": "failed", "message": message})
                 );
             } else {
-                println!("failed job {key}: {message}");
+                report!("failed job {key}: {message}");
             }
         }
         JobOutcome::ThrowError { code, message } => {
             if json {
-                println!(
+                report!(
                     "{}",
                     json!({"key": key, "outcome": "errorThrown", "errorCode": code, "message": message})
                 );
             } else {
-                println!("threw error {code} on job {key}: {message}");
+                report!("threw error {code} on job {key}: {message}");
             }
         }
     }
