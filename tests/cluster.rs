@@ -966,3 +966,73 @@ async fn a_poll_answer_stays_within_what_clients_accept_and_the_rest_waits_its_t
         "4 given back after the first answer, 2 after the second"
     );
 }
+
+/// A leader whose followers are all gone cannot commit. It says so: the partition
+/// turns unhealthy in the topology and commands are refused at once with
+/// UNAVAILABLE, instead of each waiting out its deadline (Zeebe's leader steps
+/// down). When a follower is back, the partition is healthy and takes commands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_without_a_majority_reports_it_and_refuses_commands_at_once() {
+    use courier_proto::gateway_protocol::partition::{
+        PartitionBrokerHealth as Health, PartitionBrokerRole as Role,
+    };
+    let _g = serial().await;
+    let (mut cluster, c) = one_partition_cluster("no-majority").await;
+    let leader = cluster.leaders().await[&1];
+    let followers: Vec<u64> = (1..=3).filter(|&b| b != leader).collect();
+    let leaders_health = |c: Client| async move {
+        let t = c.topology().await.expect("topology");
+        t.brokers
+            .iter()
+            .find(|b| b.node_id as u64 == leader)
+            .and_then(|b| b.partitions.iter().find(|p| p.partition_id == 1))
+            .map(|p| (p.role, p.health))
+    };
+    assert_eq!(
+        leaders_health(c.clone()).await,
+        Some((Role::Leader as i32, Health::Healthy as i32))
+    );
+    for &f in &followers {
+        cluster.kill_broker(f);
+    }
+    wait_until(
+        Duration::from_secs(15),
+        "the partition is reported unhealthy",
+        || async {
+            leaders_health(c.clone()).await == Some((Role::Leader as i32, Health::Unhealthy as i32))
+        },
+    )
+    .await;
+    let once = c.clone().with_retry_budget(Duration::ZERO);
+    let started = Instant::now();
+    let e = once
+        .create_job(NewJob::new("no-majority"))
+        .await
+        .expect_err("no majority to commit it");
+    assert_eq!(e.code(), Some(Code::Unavailable), "{e}");
+    assert!(e.to_string().contains("lost its majority"), "{e}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "refused at once, not at its deadline: {:?}",
+        started.elapsed()
+    );
+    cluster.start_broker(followers[0]);
+    wait_until(
+        Duration::from_secs(20),
+        "a majority is back and commits",
+        || async { once.create_job(NewJob::new("no-majority")).await.is_ok() },
+    )
+    .await;
+    wait_until(
+        Duration::from_secs(10),
+        "the partition is healthy",
+        || async {
+            let t = c.topology().await.expect("topology");
+            t.brokers
+                .iter()
+                .flat_map(|b| b.partitions.iter())
+                .any(|p| p.role == Role::Leader as i32 && p.health == Health::Healthy as i32)
+        },
+    )
+    .await;
+}

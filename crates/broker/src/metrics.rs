@@ -146,6 +146,18 @@ pub static LEADER: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     )))
 });
 
+/// 1 where this broker leads the partition without a majority: it has heard from
+/// too few of its replicas for a while and refuses commands.
+pub static MAJORITY_LOST: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    register(built(IntGaugeVec::new(
+        Opts::new(
+            "courier_broker_partition_majority_lost",
+            "1 where this broker leads the partition but has lost its majority",
+        ),
+        &["node", "partition"],
+    )))
+});
+
 /// Gateway links open on this broker.
 pub static LINKS: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     register(built(IntGaugeVec::new(

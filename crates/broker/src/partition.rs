@@ -65,6 +65,14 @@ const HELD_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a log entry may take to commit before the proposer warns about it (and
 /// again after each as long).
 const SLOW_ENTRY: Duration = Duration::from_secs(2);
+/// A leader that has heard from no majority of its partition's replicas for this
+/// long has lost it (they are down or cut off): it cannot commit, and another may
+/// lead elsewhere. It refuses commands at once (UNAVAILABLE) instead of holding them
+/// until their deadline, and reports the partition unhealthy. Heartbeats go every
+/// 150 ms; 3 s leaves room for followers slowed by a loaded machine.
+const MAJORITY_LOST_AFTER: Duration = Duration::from_secs(3);
+/// How often a leader checks whether it still hears from a majority.
+const MAJORITY_CHECK_EVERY: Duration = Duration::from_millis(250);
 /// The refusal of a push that a newer leader already asked the gateway about.
 const DISOWNED: &str = "disowned";
 /// Most activations asked about in one `HeldQuery`.
@@ -172,6 +180,8 @@ pub struct Partition {
     claims: Mutex<Claims>,
     /// See [`crate::config::BrokerConfig::lost_gateway_grace`].
     lost_gateway_grace: Option<Duration>,
+    /// Whether this replica leads without a majority (see [`MAJORITY_LOST_AFTER`]).
+    majority_lost: std::sync::atomic::AtomicBool,
     shutdown: CancellationToken,
 }
 
@@ -205,13 +215,22 @@ impl Partition {
             yield_wake: Notify::new(),
             claims: Mutex::new(Claims::default()),
             lost_gateway_grace,
+            majority_lost: std::sync::atomic::AtomicBool::new(false),
             shutdown: shutdown.clone(),
         });
         let span = tracing::info_span!("partition", partition = id.0, node = node_id);
         tasks.spawn(run_proposer(p.clone(), rx, shutdown.clone()).instrument(span.clone()));
         tasks.spawn(run_yields(p.clone(), shutdown.clone()).instrument(span.clone()));
+        tasks.spawn(watch_majority(p.clone(), shutdown.clone()).instrument(span.clone()));
         tasks.spawn(run_timers(p.clone(), shutdown).instrument(span));
         p
+    }
+
+    /// Whether this replica leads but has lost its majority: see
+    /// [`MAJORITY_LOST_AFTER`].
+    pub fn majority_lost(&self) -> bool {
+        self.majority_lost
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Prepares a client's command with the leader's push decisions and replicates it.
@@ -452,6 +471,16 @@ impl Partition {
         let m = self.raft.server_metrics();
         let m = m.borrow();
         if m.state == ServerState::Leader {
+            if self.majority_lost() {
+                return Err(BrokerError::Unavailable(format!(
+                    "partition {} has lost its majority: its leader, broker {}, has not \
+                     heard from most of its replicas for {} s and cannot commit until \
+                     they are back",
+                    self.id,
+                    self.node_id,
+                    MAJORITY_LOST_AFTER.as_secs()
+                )));
+            }
             Ok(())
         } else {
             Err(BrokerError::NotLeader {
@@ -950,6 +979,40 @@ impl Partition {
                 tracing::debug!(error = %e, "back-fill round not applied");
             }
         });
+    }
+}
+
+/// Keeps [`Partition::majority_lost`] current: a leader of a partition with more
+/// than one voter whose last acknowledgement by a majority is older than
+/// [`MAJORITY_LOST_AFTER`]. (openraft 0.9's leader does not step down by itself.)
+async fn watch_majority(p: Arc<Partition>, shutdown: CancellationToken) {
+    let gauge =
+        metrics::MAJORITY_LOST.with_label_values(&[&p.node_id.to_string(), &p.id.to_string()]);
+    let mut every = tokio::time::interval(MAJORITY_CHECK_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = every.tick() => {}
+        }
+        let lost = {
+            let m = p.raft.metrics();
+            let m = m.borrow();
+            m.state == ServerState::Leader
+                && m.membership_config.membership().voter_ids().count() > 1
+                && m.millis_since_quorum_ack
+                    .is_some_and(|ms| Duration::from_millis(ms) > MAJORITY_LOST_AFTER)
+        };
+        if lost != p.majority_lost() {
+            if lost {
+                tracing::warn!("leading without a majority: refusing commands until it is back");
+            } else {
+                tracing::info!("majority back");
+            }
+            p.majority_lost
+                .store(lost, std::sync::atomic::Ordering::Relaxed);
+            gauge.set(i64::from(lost));
+        }
     }
 }
 

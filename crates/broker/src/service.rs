@@ -365,6 +365,7 @@ impl cluster::broker_server::Broker for BrokerService {
                     leader_id: m.current_leader.unwrap_or(0),
                     term: m.current_term,
                     last_applied: m.last_applied.map(|l| l.index).unwrap_or(0),
+                    majority_lost: m.state == ServerState::Leader && p.majority_lost(),
                 }
             })
             .collect();

@@ -738,7 +738,7 @@ pub fn zeebe_topology(view: &ClusterView) -> gw::TopologyResponse {
                         "follower" => Role::Follower,
                         _ => Role::Inactive,
                     };
-                    let health = if view.leaders.contains_key(&p.partition) {
+                    let health = if view.healthy(p.partition) {
                         Health::Healthy
                     } else {
                         Health::Unhealthy
@@ -1056,6 +1056,7 @@ mod tests {
         let report = |p: u32, role: &str| PartitionReport {
             partition: PartitionId(p),
             role: role.into(),
+            majority_lost: false,
         };
         view.reports
             .insert(1, vec![report(1, "leader"), report(2, "candidate")]);
@@ -1092,5 +1093,17 @@ mod tests {
         // Each broker's own version, as it reported it.
         let versions: Vec<&str> = t.brokers.iter().map(|b| b.version.as_str()).collect();
         assert_eq!(versions, ["0.9.0", VERSION, ""]);
+        // A leader that lost its majority still leads, but its partition is unhealthy
+        // on every broker that reports it.
+        view.reports.get_mut(&1).unwrap()[0].majority_lost = true;
+        let t = zeebe_topology(&view);
+        assert_eq!(
+            (
+                t.brokers[0].partitions[0].role,
+                t.brokers[0].partitions[0].health
+            ),
+            (R::Leader as i32, H::Unhealthy as i32)
+        );
+        assert_eq!(t.brokers[1].partitions[0].health, H::Unhealthy as i32);
     }
 }

@@ -45,6 +45,8 @@ pub struct PartitionReport {
     pub partition: PartitionId,
     /// The broker's role for it: "leader", "follower", "candidate", "learner", "shutdown".
     pub role: String,
+    /// A leader that has lost its majority (it cannot commit).
+    pub majority_lost: bool,
 }
 
 /// A snapshot of what the gateway knows about the cluster.
@@ -82,12 +84,27 @@ impl ClusterView {
                 .map(|p| PartitionReport {
                     partition: PartitionId(p.partition_id),
                     role: p.role.clone(),
+                    majority_lost: p.majority_lost,
                 })
                 .collect();
             self.reports.insert(a.node_id, parts);
             self.versions.insert(a.node_id, a.version.clone());
         }
         self.leaders = elect(answers);
+    }
+
+    /// Whether `partition` has a leader that can commit: one is known, and its last
+    /// report did not say it lost its majority.
+    pub fn healthy(&self, partition: PartitionId) -> bool {
+        let Some(leader) = self.leaders.get(&partition) else {
+            return false;
+        };
+        !self
+            .reports
+            .get(&leader.node)
+            .into_iter()
+            .flatten()
+            .any(|r| r.partition == partition && r.majority_lost)
     }
 
     /// How many partitions each broker is known to lead; brokers leading none are
@@ -408,6 +425,7 @@ mod tests {
             leader_id,
             term,
             last_applied: 0,
+            majority_lost: false,
         }
     }
 
