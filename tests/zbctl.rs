@@ -185,7 +185,12 @@ async fn zbctl_status_activate_complete_and_fail_work_against_courier() {
     // Process RPCs are not Courier's: UNIMPLEMENTED, not a crash.
     let out = run(&cluster, &["create", "instance", "some-process"]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("Unimplemented"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("Unimplemented"), "{stderr}");
+    assert!(
+        stderr.contains("CreateProcessInstance is not served") && stderr.contains("job API"),
+        "the answer says what is served instead: {stderr}"
+    );
     c.topology().await.expect("gateway still serves");
 }
 

@@ -144,9 +144,11 @@ pub async fn serve(
     );
     // Zeebe's clients (the Node.js SDK always) compress requests with gzip; answers
     // stay uncompressed, where compression would only add latency.
-    let gateway = GatewayServer::new(service::GatewayService(shared.clone()))
-        .max_decoding_message_size(MAX_CLIENT_MESSAGE)
-        .accept_compressed(tonic::codec::CompressionEncoding::Gzip);
+    let gateway = service::JobApiOnly(
+        GatewayServer::new(service::GatewayService(shared.clone()))
+            .max_decoding_message_size(MAX_CLIENT_MESSAGE)
+            .accept_compressed(tonic::codec::CompressionEncoding::Gzip),
+    );
     let jobs = JobsServer::new(service::JobsService(shared))
         .max_decoding_message_size(MAX_CLIENT_MESSAGE)
         .accept_compressed(tonic::codec::CompressionEncoding::Gzip);

@@ -787,7 +787,66 @@ fn split_host_port(addr: &str) -> (String, i32) {
     }
 }
 
-/// Courier's producer service.
+/// The methods of Zeebe's gateway service that Courier implements: its job API.
+pub const JOB_API: [&str; 8] = [
+    "ActivateJobs",
+    "StreamActivatedJobs",
+    "CompleteJob",
+    "FailJob",
+    "ThrowError",
+    "UpdateJobRetries",
+    "UpdateJobTimeout",
+    "Topology",
+];
+
+/// Zeebe's gateway service as Courier serves it: the job API goes to the service
+/// inside; every other method of Zeebe's (processes, messages, deployments, ...)
+/// answers UNIMPLEMENTED with a message that says what is served instead, where
+/// tonic would answer with none.
+#[derive(Clone)]
+pub struct JobApiOnly<S>(pub S);
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService for JobApiOnly<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::Body>> for JobApiOnly<S>
+where
+    S: tonic::codegen::Service<
+        tonic::codegen::http::Request<tonic::body::Body>,
+        Response = tonic::codegen::http::Response<tonic::body::Body>,
+        Error = std::convert::Infallible,
+    >,
+{
+    type Response = S::Response;
+    type Error = std::convert::Infallible;
+    type Future = futures::future::Either<
+        S::Future,
+        std::future::Ready<Result<Self::Response, std::convert::Infallible>>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: tonic::codegen::http::Request<tonic::body::Body>) -> Self::Future {
+        let method = request.uri().path().rsplit('/').next().unwrap_or_default();
+        if JOB_API.contains(&method) {
+            return futures::future::Either::Left(self.0.call(request));
+        }
+        let status = Status::unimplemented(format!(
+            "{method} is not served: Courier's gateway speaks the job API of Zeebe's \
+             gateway protocol ({}); jobs are created through courier.v1.Jobs (CreateJob)",
+            JOB_API.join(", ")
+        ));
+        futures::future::Either::Right(std::future::ready(Ok(status.into_http())))
+    }
+}
+
+/// Courier's producer service./// Courier's producer service.
 #[derive(Clone)]
 pub struct JobsService(pub Arc<Shared>);
 
