@@ -980,6 +980,10 @@ async fn a_leader_without_a_majority_reports_it_and_refuses_commands_at_once() {
     let (mut cluster, c) = one_partition_cluster("no-majority").await;
     let leader = cluster.leaders().await[&1];
     let followers: Vec<u64> = (1..=3).filter(|&b| b != leader).collect();
+    c.create_job(NewJob::new("no-majority"))
+        .await
+        .expect("create");
+    let active = activate_n(&c, poll("no-majority", 1), 1, Duration::from_secs(10)).await;
     let leaders_health = |c: Client| async move {
         let t = c.topology().await.expect("topology");
         t.brokers
@@ -1016,6 +1020,17 @@ async fn a_leader_without_a_majority_reports_it_and_refuses_commands_at_once() {
         "refused at once, not at its deadline: {:?}",
         started.elapsed()
     );
+    let started = Instant::now();
+    let e = once
+        .complete_job(active[0], "")
+        .await
+        .expect_err("no majority to commit it");
+    assert_eq!(e.code(), Some(Code::Unavailable), "{e}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "a job command too: {:?}",
+        started.elapsed()
+    );
     cluster.start_broker(followers[0]);
     wait_until(
         Duration::from_secs(20),
@@ -1023,6 +1038,9 @@ async fn a_leader_without_a_majority_reports_it_and_refuses_commands_at_once() {
         || async { once.create_job(NewJob::new("no-majority")).await.is_ok() },
     )
     .await;
+    c.complete_job(active[0], "")
+        .await
+        .expect("complete, with a majority");
     wait_until(
         Duration::from_secs(10),
         "the partition is healthy",

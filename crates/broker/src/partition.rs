@@ -472,7 +472,7 @@ impl Partition {
         let m = m.borrow();
         if m.state == ServerState::Leader {
             if self.majority_lost() {
-                return Err(BrokerError::Unavailable(format!(
+                return Err(BrokerError::NoMajority(format!(
                     "partition {} has lost its majority: its leader, broker {}, has not \
                      heard from most of its replicas for {} s and cannot commit until \
                      they are back",

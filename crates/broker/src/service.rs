@@ -210,6 +210,7 @@ fn outcome(r: &Result<Reply, BrokerError>) -> &'static str {
         Err(BrokerError::FailedPrecondition(_)) => "failed_precondition",
         Err(BrokerError::ResourceExhausted(_)) => "resource_exhausted",
         Err(BrokerError::Unavailable(_)) => "unavailable",
+        Err(BrokerError::NoMajority(_)) => "no_majority",
         Err(BrokerError::NotLeader { .. }) => "not_leader",
         Err(BrokerError::Internal(_)) => "internal",
     }

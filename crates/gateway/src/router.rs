@@ -130,6 +130,14 @@ impl Router {
                     maybe_applied = true;
                     ("unavailable", e.to_string())
                 }
+                // Refused before it was queued, by a leader that will not commit
+                // anything until its majority is back: no use waiting on it.
+                Ok(Err(e @ BrokerError::NoMajority(_))) => {
+                    return Err(RouteFailure {
+                        error: e,
+                        not_applied,
+                    })
+                }
                 Ok(Err(e @ BrokerError::ResourceExhausted(_))) => {
                     not_applied = false;
                     ("resource_exhausted", e.to_string())

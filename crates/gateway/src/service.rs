@@ -370,8 +370,12 @@ impl Shared {
         let request = Request::Command(Command::Create(jobs));
         let order: Vec<PartitionId> = self.create_start.order(count).collect();
         let mut last = None;
+        // Partitions in a row whose leader refused for want of a majority: when all
+        // did, no partition can take the job now, and going round again would only
+        // ask them again at once.
+        let mut without_majority = 0;
         for &partition in order.iter().cycle() {
-            if Instant::now() >= deadline {
+            if Instant::now() >= deadline || without_majority == order.len() {
                 break;
             }
             let retry_until = instant_after(CREATE_HOP_AFTER).min(deadline);
@@ -384,6 +388,11 @@ impl Shared {
                 Ok(other) => return Err(unexpected(&other)),
                 Err(f) if f.not_applied => {
                     tracing::debug!(%partition, error = %f.error, "trying the next partition");
+                    if matches!(f.error, BrokerError::NoMajority(_)) {
+                        without_majority += 1;
+                    } else {
+                        without_majority = 0;
+                    }
                     last = Some(f.error);
                 }
                 Err(f) => return Err(f.error.into()),

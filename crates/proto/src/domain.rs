@@ -247,6 +247,11 @@ pub enum BrokerError {
     },
     #[error("internal error: {0}")]
     Internal(String),
+    /// This broker leads the partition but has lost its majority: it refused the
+    /// command before queueing it. UNAVAILABLE to clients; a gateway does not wait
+    /// on such a leader, and may create elsewhere.
+    #[error("{0}")]
+    NoMajority(String),
 }
 
 impl BrokerError {
@@ -255,6 +260,7 @@ impl BrokerError {
         matches!(
             self,
             BrokerError::Unavailable(_)
+                | BrokerError::NoMajority(_)
                 | BrokerError::NotLeader { .. }
                 | BrokerError::ResourceExhausted(_)
         )
@@ -270,7 +276,7 @@ impl From<BrokerError> for tonic::Status {
             BrokerError::NotFound(m) => Status::not_found(m),
             BrokerError::FailedPrecondition(m) => Status::failed_precondition(m),
             BrokerError::ResourceExhausted(m) => Status::resource_exhausted(m),
-            BrokerError::Unavailable(m) => Status::unavailable(m),
+            BrokerError::Unavailable(m) | BrokerError::NoMajority(m) => Status::unavailable(m),
             e @ BrokerError::NotLeader { .. } => Status::unavailable(e.to_string()),
             BrokerError::Internal(m) => Status::internal(m),
         }
