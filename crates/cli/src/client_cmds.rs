@@ -212,8 +212,15 @@ pub async fn job(opts: ClientOpts, cmd: JobCmd) -> anyhow::Result<()> {
                 out!("no jobs activated");
             } else {
                 for j in &jobs {
+                    // Custom headers only where the job has some, as most have none.
+                    let headers = or_empty_object(&j.custom_headers);
+                    let headers = if headers == "{}" {
+                        String::new()
+                    } else {
+                        format!("  headers={headers}")
+                    };
                     out!(
-                        "{}  type={}  retries={}  deadline={}  variables={}",
+                        "{}  type={}  retries={}  deadline={}  variables={}{headers}",
                         j.key,
                         j.r#type,
                         j.retries,
