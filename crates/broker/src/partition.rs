@@ -21,6 +21,7 @@ use futures::StreamExt;
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::ServerState;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{broadcast, mpsc, oneshot, Notify};
@@ -181,7 +182,7 @@ pub struct Partition {
     /// See [`crate::config::BrokerConfig::lost_gateway_grace`].
     lost_gateway_grace: Option<Duration>,
     /// Whether this replica leads without a majority (see [`MAJORITY_LOST_AFTER`]).
-    majority_lost: std::sync::atomic::AtomicBool,
+    majority_lost: AtomicBool,
     shutdown: CancellationToken,
 }
 
@@ -215,7 +216,7 @@ impl Partition {
             yield_wake: Notify::new(),
             claims: Mutex::new(Claims::default()),
             lost_gateway_grace,
-            majority_lost: std::sync::atomic::AtomicBool::new(false),
+            majority_lost: AtomicBool::new(false),
             shutdown: shutdown.clone(),
         });
         let span = tracing::info_span!("partition", partition = id.0, node = node_id);
@@ -229,8 +230,7 @@ impl Partition {
     /// Whether this replica leads but has lost its majority: see
     /// [`MAJORITY_LOST_AFTER`].
     pub fn majority_lost(&self) -> bool {
-        self.majority_lost
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.majority_lost.load(Ordering::Relaxed)
     }
 
     /// Prepares a client's command with the leader's push decisions and replicates it.
@@ -934,14 +934,6 @@ impl Partition {
         self.yield_wake.notify_one();
     }
 
-    /// A stream with these properties has free credit (it registered, or a gateway
-    /// reported more): if this replica leads and has a backlog of its type, propose one
-    /// back-fill round for it, sized to the smaller of the backlog and the credit free
-    /// now. The round holds that credit from now until its pushes are made (what apply
-    /// does not use goes back), so rounds never promise more than a gateway reported,
-    /// and a round need not wait for an earlier one: every credit report can start one,
-    /// and the proposer puts the rounds waiting together into one log entry. A backlog
-    /// larger than the credit goes as more credit is reported.
     /// Jobs of this type and tenant became runnable without a push (a yield, a
     /// create or failure whose targets were chosen before a stream got room, ...).
     /// A stream that got room while they were activated, or before their entry
@@ -955,6 +947,14 @@ impl Partition {
         }
     }
 
+    /// A stream with these properties has free credit (it registered, or a gateway
+    /// reported more): if this replica leads and has a backlog of its type, propose one
+    /// back-fill round for it, sized to the smaller of the backlog and the credit free
+    /// now. The round holds that credit from now until its pushes are made (what apply
+    /// does not use goes back), so rounds never promise more than a gateway reported,
+    /// and a round need not wait for an earlier one: every credit report can start one,
+    /// and the proposer puts the rounds waiting together into one log entry. A backlog
+    /// larger than the credit goes as more credit is reported.
     pub fn backfill(self: &Arc<Self>, props: ActivationProps) {
         if self.shutdown.is_cancelled() || !self.is_leader() {
             return;
@@ -1009,8 +1009,7 @@ async fn watch_majority(p: Arc<Partition>, shutdown: CancellationToken) {
             } else {
                 tracing::info!("majority back");
             }
-            p.majority_lost
-                .store(lost, std::sync::atomic::Ordering::Relaxed);
+            p.majority_lost.store(lost, Ordering::Relaxed);
             gauge.set(i64::from(lost));
         }
     }
