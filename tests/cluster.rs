@@ -1054,3 +1054,52 @@ async fn a_leader_without_a_majority_reports_it_and_refuses_commands_at_once() {
     )
     .await;
 }
+
+/// A partition that has had no leader for a while (here only one of its three
+/// replicas is up, too few to elect one) is in an outage, not between two leaders:
+/// the gateway answers its commands at once with UNAVAILABLE instead of holding each
+/// until its deadline, and creates go nowhere rather than waiting. With a majority
+/// back, it takes commands again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_for_a_partition_without_a_leader_for_a_while_are_refused_at_once() {
+    let _g = serial().await;
+    let (mut cluster, c) = one_partition_cluster("leaderless").await;
+    c.create_job(NewJob::new("leaderless"))
+        .await
+        .expect("create");
+    let active = activate_n(&c, poll("leaderless", 1), 1, Duration::from_secs(10)).await;
+    let leader = cluster.leaders().await[&1];
+    let follower = (1..=3).find(|&b| b != leader).unwrap();
+    cluster.kill_broker(leader);
+    cluster.kill_broker(follower);
+    let once = c.clone().with_retry_budget(Duration::ZERO);
+    // Within the first seconds the gateway still waits for a new leader; then it
+    // stops waiting.
+    wait_until(
+        Duration::from_secs(20),
+        "a completion is refused at once",
+        || async {
+            let started = Instant::now();
+            let r = once.complete_job(active[0], "").await;
+            matches!(&r, Err(e) if e.code() == Some(Code::Unavailable))
+                && started.elapsed() < Duration::from_secs(1)
+        },
+    )
+    .await;
+    let started = Instant::now();
+    let e = once
+        .create_job(NewJob::new("leaderless"))
+        .await
+        .expect_err("no partition can take it");
+    assert_eq!(e.code(), Some(Code::Unavailable), "{e}");
+    assert!(e.to_string().contains("no leader"), "{e}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "refused at once: {:?}",
+        started.elapsed()
+    );
+    cluster.start_broker(follower);
+    c.complete_job(active[0], "")
+        .await
+        .expect("completed once a majority is back");
+}

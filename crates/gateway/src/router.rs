@@ -17,6 +17,11 @@ use tokio_util::sync::CancellationToken;
 
 const RETRY_BASE: Duration = Duration::from_millis(10);
 const RETRY_CAP: Duration = Duration::from_millis(500);
+/// A partition without a known leader for this long is not between two leaders (an
+/// election takes about a second) but in an outage, most likely without a majority:
+/// requests for it are answered at once (UNAVAILABLE, which clients retry) rather
+/// than held until their deadline.
+pub const LEADERLESS_OUTAGE: Duration = Duration::from_secs(4);
 /// Largest reply accepted from a broker: an activation batch carries up to
 /// maxJobsToActivate jobs of up to 4 MiB variables each, far above tonic's 4 MiB default.
 pub const MAX_BROKER_MESSAGE: usize = 256 * 1024 * 1024;
@@ -152,7 +157,23 @@ impl Router {
                         not_applied: false,
                     });
                 }
-                Err(Failed::NoLeader) => ("no_leader", "no leader known".to_string()),
+                Err(Failed::NoLeader) => {
+                    if let Some(d) = self
+                        .topology
+                        .leaderless_for(partition)
+                        .filter(|d| *d >= LEADERLESS_OUTAGE)
+                    {
+                        return Err(RouteFailure {
+                            error: BrokerError::NoMajority(format!(
+                                "partition {partition} has had no leader for {} s: too few \
+                                 of its replicas are up to elect one",
+                                d.as_secs()
+                            )),
+                            not_applied,
+                        });
+                    }
+                    ("no_leader", "no leader known".to_string())
+                }
                 Err(Failed::Unreachable(m)) => ("unreachable", m),
                 Err(Failed::Transport(m)) => {
                     not_applied = false;

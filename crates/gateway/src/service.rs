@@ -368,7 +368,8 @@ impl Shared {
             .into());
         }
         let request = Request::Command(Command::Create(jobs));
-        let order: Vec<PartitionId> = self.create_start.order(count).collect();
+        // Round-robin over the partitions that can commit now, then the others.
+        let order = self.topology.healthy_first(self.create_start.order(count));
         let mut last = None;
         // Partitions in a row whose leader refused for want of a majority: when all
         // did, no partition can take the job now, and going round again would only

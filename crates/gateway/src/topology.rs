@@ -65,6 +65,8 @@ pub struct ClusterView {
     pub versions: BTreeMap<NodeId, String>,
     /// The known leader of each partition.
     pub leaders: HashMap<PartitionId, Leader>,
+    /// Since when each partition without a known leader has had none.
+    pub leaderless_since: HashMap<PartitionId, Instant>,
 }
 
 impl ClusterView {
@@ -91,6 +93,21 @@ impl ClusterView {
             self.versions.insert(a.node_id, a.version.clone());
         }
         self.leaders = elect(answers);
+        self.note_leaderless();
+    }
+
+    /// Starts the clock of partitions that just lost their leader, stops that of
+    /// those that have one again.
+    fn note_leaderless(&mut self) {
+        let now = Instant::now();
+        for p in 1..=self.partitions_count {
+            let p = PartitionId(p);
+            if self.leaders.contains_key(&p) {
+                self.leaderless_since.remove(&p);
+            } else {
+                self.leaderless_since.entry(p).or_insert(now);
+            }
+        }
     }
 
     /// Whether `partition` has a leader that can commit: one is known, and its last
@@ -131,6 +148,7 @@ impl ClusterView {
                 }
             }
         }
+        self.note_leaderless();
     }
 }
 
@@ -225,6 +243,23 @@ impl Topology {
     /// The known leader of `partition`.
     pub fn leader(&self, partition: PartitionId) -> Option<NodeId> {
         self.read().leaders.get(&partition).map(|l| l.node)
+    }
+
+    /// How long `partition` has been without a known leader; `None` while it has one.
+    pub fn leaderless_for(&self, partition: PartitionId) -> Option<Duration> {
+        self.read()
+            .leaderless_since
+            .get(&partition)
+            .map(|since| since.elapsed())
+    }
+
+    /// `order` with the partitions whose leader can commit (see
+    /// [`ClusterView::healthy`]) first and the others after, each in the order given.
+    pub fn healthy_first(&self, order: impl Iterator<Item = PartitionId>) -> Vec<PartitionId> {
+        let view = self.read();
+        let (mut healthy, others): (Vec<_>, Vec<_>) = order.partition(|&p| view.healthy(p));
+        healthy.extend(others);
+        healthy
     }
 
     /// Applies a NotLeader answer (see [`ClusterView::hint`]).
@@ -542,6 +577,41 @@ mod tests {
         // A hint for a partition with no known leader installs it.
         v.hint(PartitionId(2), 1, Some(2));
         assert_eq!(leader_of(&v, 2), Some(2));
+    }
+
+    /// A partition's time without a leader runs from the first round (or hint) that
+    /// found none until one that finds one; partitions that can commit come first.
+    #[tokio::test(start_paused = true)]
+    async fn leaderless_time_is_counted_and_healthy_partitions_come_first() {
+        let t = Topology::new(&["b1:26501".into()]).unwrap();
+        let merge = |answers: &[BrokerTopology]| t.write().merge_round(answers);
+        merge(&[answer(
+            1,
+            vec![status(1, "leader", 1, 2), status(2, "candidate", 0, 2)],
+        )]);
+        assert_eq!(t.leaderless_for(PartitionId(1)), None);
+        assert_eq!(t.leaderless_for(PartitionId(2)), Some(Duration::ZERO));
+        let both = || [PartitionId(2), PartitionId(1)].into_iter();
+        assert_eq!(t.healthy_first(both()), [PartitionId(1), PartitionId(2)]);
+        tokio::time::advance(Duration::from_secs(3)).await;
+        merge(&[answer(
+            1,
+            vec![status(1, "leader", 1, 2), status(2, "candidate", 0, 3)],
+        )]);
+        assert_eq!(
+            t.leaderless_for(PartitionId(2)),
+            Some(Duration::from_secs(3)),
+            "counted from the first round without one"
+        );
+        // A leader that lost its majority counts as none for the order.
+        let mut lost = status(1, "leader", 1, 2);
+        lost.majority_lost = true;
+        merge(&[answer(1, vec![lost, status(2, "leader", 1, 3)])]);
+        assert_eq!(t.leaderless_for(PartitionId(2)), None);
+        assert_eq!(t.healthy_first(both()), [PartitionId(2), PartitionId(1)]);
+        // A hint that unseats the leader starts the clock again.
+        t.hint(PartitionId(2), 1, None);
+        assert_eq!(t.leaderless_for(PartitionId(2)), Some(Duration::ZERO));
     }
 
     #[test]
