@@ -221,7 +221,9 @@ impl BrokerLink {
                     partition,
                     asked,
                     held = answer.held.len(),
-                    "a new leader asked which of its predecessor's pushes arrived"
+                    "a leader asked which of its partition's handed-out jobs this gateway holds \
+                     (a new leader checking its predecessors' pushes, or a leader reclaiming \
+                     the jobs of a gateway that is gone)"
                 );
                 Some(GatewayMessage {
                     kind: Some(gateway_message::Kind::HeldAnswer(answer)),
