@@ -980,7 +980,8 @@ async fn a_leader_without_a_majority_reports_it_and_refuses_commands_at_once() {
     let (mut cluster, c) = one_partition_cluster("no-majority").await;
     let leader = cluster.leaders().await[&1];
     let followers: Vec<u64> = (1..=3).filter(|&b| b != leader).collect();
-    c.create_job(NewJob::new("no-majority"))
+    // One job to complete, one left waiting for a poll.
+    c.create_jobs([NewJob::new("no-majority"), NewJob::new("no-majority")])
         .await
         .expect("create");
     let active = activate_n(&c, poll("no-majority", 1), 1, Duration::from_secs(10)).await;
@@ -1029,6 +1030,19 @@ async fn a_leader_without_a_majority_reports_it_and_refuses_commands_at_once() {
     assert!(
         started.elapsed() < Duration::from_secs(2),
         "a job command too: {:?}",
+        started.elapsed()
+    );
+    // A poll that must not wait passes the partition over (its waiting job cannot
+    // be activated without a majority) and answers at once.
+    let started = Instant::now();
+    let jobs = once
+        .activate_jobs(poll("no-majority", 1).request_timeout(Duration::ZERO))
+        .await
+        .expect("an answer, with no jobs");
+    assert!(jobs.is_empty());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "a poll too: {:?}",
         started.elapsed()
     );
     cluster.start_broker(followers[0]);

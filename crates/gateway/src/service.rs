@@ -329,7 +329,9 @@ impl Shared {
                 Err(f)
                     if matches!(
                         f.error,
-                        BrokerError::Unavailable(_) | BrokerError::ResourceExhausted(_)
+                        BrokerError::Unavailable(_)
+                            | BrokerError::NoMajority(_)
+                            | BrokerError::ResourceExhausted(_)
                     ) =>
                 {
                     // Counted in the retry metric; at info level this would log every poll.
