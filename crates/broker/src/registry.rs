@@ -204,6 +204,13 @@ struct Logical {
     recipients: Vec<Recipient>,
 }
 
+impl Logical {
+    /// Whether it takes jobs of `tenant`.
+    fn takes(&self, tenant: &str) -> bool {
+        self.props.tenant_ids.iter().any(|t| t == tenant)
+    }
+}
+
 /// What this broker knows of a recipient's credit. The gateway reports this
 /// broker's `share` of the stream's free credit with the number of pushes it had
 /// `received` from us; we count what we `sent` (reserved) since the link opened.
@@ -385,7 +392,7 @@ impl JobStreamRegistry {
         let logicals = self.streams.get(job_type)?;
         let candidates = logicals
             .iter()
-            .filter(|l| l.props.tenant_ids.iter().any(|t| t == tenant))
+            .filter(|l| l.takes(tenant))
             .flat_map(|l| l.recipients.iter().map(move |r| (l, r)));
         let (l, r) = self.most_credit(candidates)?;
         let held = self.hold(r, max)?;
@@ -483,7 +490,7 @@ impl JobStreamRegistry {
         // Collected, so the map's guard is gone before a back-fill takes credit.
         logicals
             .iter()
-            .filter(|l| l.props.tenant_ids.iter().any(|t| t == tenant))
+            .filter(|l| l.takes(tenant))
             .filter(|l| l.recipients.iter().any(|r| self.available(r) > 0))
             .map(|l| l.props.clone())
             .collect()
