@@ -12,10 +12,17 @@ pub fn non_blank(field: &str, value: &str) -> Result<(), String> {
     }
 }
 
-/// A document of variables or custom headers: empty means `{}`, otherwise it must be
-/// a JSON object no larger than 4 MiB. Returns the text to store.
+/// A document that stands for no variables: empty, blank, or the JSON `null` (as
+/// Zeebe reads it; clients send it for a missing map).
+fn is_empty_doc(doc: &str) -> bool {
+    let doc = doc.trim();
+    doc.is_empty() || doc == "null"
+}
+
+/// A document of variables or custom headers: empty (or `null`) means `{}`, otherwise
+/// it must be a JSON object no larger than 4 MiB. Returns the text to store.
 pub fn json_object(field: &str, doc: &str) -> Result<String, String> {
-    if doc.trim().is_empty() {
+    if is_empty_doc(doc) {
         return Ok("{}".to_string());
     }
     if doc.len() > MAX_VARIABLES_BYTES {
@@ -30,13 +37,17 @@ pub fn json_object(field: &str, doc: &str) -> Result<String, String> {
             "{field} must be a JSON object, but is a JSON {}",
             json_kind(&other)
         )),
+        // serde_json stops at 128 levels of nesting, to keep its stack bounded.
+        Err(e) if e.to_string().starts_with("recursion limit exceeded") => Err(format!(
+            "{field} nest objects or arrays more than 127 levels deep ({e})"
+        )),
         Err(e) => Err(format!("{field} is not valid JSON: {e}")),
     }
 }
 
-/// Like [`json_object`], but an empty document means "no change" (`None`).
+/// Like [`json_object`], but an empty (or `null`) document means "no change" (`None`).
 pub fn optional_json_object(field: &str, doc: &str) -> Result<Option<String>, String> {
-    if doc.trim().is_empty() {
+    if is_empty_doc(doc) {
         Ok(None)
     } else {
         json_object(field, doc).map(Some)
@@ -138,6 +149,16 @@ mod tests {
             .unwrap_err()
             .contains("limit"));
         assert_eq!(optional_json_object("variables", " ").unwrap(), None);
+        // Zeebe reads the JSON null as no variables.
+        assert_eq!(optional_json_object("variables", " null ").unwrap(), None);
+        assert_eq!(json_object("variables", "null").as_deref(), Ok("{}"));
+        let e = json_object("variables", "nul").unwrap_err();
+        assert!(e.contains("not valid JSON"), "{e}");
+        // Valid JSON nested deeper than serde_json's limit is named as such.
+        let deep = |n: usize| format!("{}1{}", "{\"a\":".repeat(n), "}".repeat(n));
+        assert!(json_object("variables", &deep(127)).is_ok());
+        let e = json_object("variables", &deep(128)).unwrap_err();
+        assert!(e.contains("more than 127 levels deep"), "{e}");
     }
 
     #[test]
