@@ -14,6 +14,8 @@ pub fn activate_request(r: &gw::ActivateJobsRequest) -> Result<(ActivationProps,
             r.max_jobs_to_activate
         ));
     }
+    validate::non_blank("type", &r.r#type)?;
+    validate::non_blank("worker", &r.worker)?;
     let props = activation_props(
         &r.r#type,
         &r.worker,
@@ -25,16 +27,11 @@ pub fn activate_request(r: &gw::ActivateJobsRequest) -> Result<(ActivationProps,
 }
 
 /// The activation properties of a job stream, validated. Zeebe lets a stream omit
-/// its worker name; it then reads as "default".
+/// its worker name and hands its jobs out with the name as sent, empty too.
 pub fn stream_request(r: &gw::StreamActivatedJobsRequest) -> Result<ActivationProps, String> {
-    let worker = if r.worker.trim().is_empty() {
-        "default"
-    } else {
-        r.worker.as_str()
-    };
     activation_props(
         &r.r#type,
-        worker,
+        &r.worker,
         r.timeout,
         &r.fetch_variable,
         &r.tenant_ids,
@@ -49,7 +46,6 @@ fn activation_props(
     tenants: &[String],
 ) -> Result<ActivationProps, String> {
     validate::non_blank("type", job_type)?;
-    validate::non_blank("worker", worker)?;
     let timeout_ms = validate::positive_ms("timeout", timeout)?;
     let mut fetch_variables = fetch.to_vec();
     fetch_variables.sort();
@@ -82,8 +78,8 @@ pub fn fail_request(r: &gw::FailJobRequest) -> Result<Command, String> {
     })
 }
 
+/// As in Zeebe, any error code is taken, an empty one too.
 pub fn throw_error_request(r: &gw::ThrowErrorRequest) -> Result<Command, String> {
-    validate::non_blank("errorCode", &r.error_code)?;
     Ok(Command::ThrowError {
         key: JobKey(r.job_key),
         error_code: r.error_code.clone(),
@@ -270,9 +266,17 @@ mod tests {
         let r = gw::ThrowErrorRequest {
             job_key: k,
             error_code: "".into(),
+            variables: "null".into(),
             ..Default::default()
         };
-        assert!(throw_error_request(&r).unwrap_err().contains("errorCode"));
+        match throw_error_request(&r) {
+            Ok(Command::ThrowError {
+                error_code,
+                variables: None,
+                ..
+            }) => assert_eq!(error_code, ""),
+            other => panic!("an empty error code and null variables are taken: {other:?}"),
+        }
     }
 
     #[test]
@@ -303,7 +307,7 @@ mod tests {
             tenant_ids: vec![],
         };
         let props = stream_request(&r).unwrap();
-        assert_eq!(props.worker, "default");
+        assert_eq!(props.worker, "");
         assert_eq!(
             props.fetch_variables,
             vec!["a".to_string(), "b".to_string()]
