@@ -16,6 +16,7 @@
 
 pub mod backoff;
 pub mod error;
+mod health;
 pub mod link;
 pub mod long_poll;
 pub mod metrics;
@@ -34,6 +35,7 @@ use std::time::Duration;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tonic::server::NamedService;
 
 /// Largest client message accepted: a CreateJob may carry 4 MiB of variables plus
 /// headers, and CreateJobs many of them.
@@ -153,6 +155,14 @@ pub async fn serve(
         .max_decoding_message_size(MAX_CLIENT_MESSAGE)
         .accept_compressed(tonic::codec::CompressionEncoding::Gzip);
 
+    let health = health::service(
+        &[
+            <GatewayServer<service::GatewayService> as NamedService>::NAME,
+            <JobsServer<service::JobsService> as NamedService>::NAME,
+        ],
+        stop.clone(),
+    );
+
     let incoming = TcpListenerStream::new(listener).then(|accepted| async move {
         match &accepted {
             Ok(stream) => {
@@ -174,6 +184,7 @@ pub async fn serve(
         .http2_keepalive_timeout(Some(CLIENT_KEEPALIVE_TIMEOUT))
         .add_service(gateway)
         .add_service(jobs)
+        .add_service(health)
         .serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned())
         .await;
 

@@ -176,3 +176,58 @@ async fn a_job_stream_stays_open_until_shutdown() {
     let stopped = tokio::time::timeout(Duration::from_secs(5), server).await;
     assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
 }
+
+#[tokio::test]
+async fn serves_grpc_health_checks_for_itself_and_its_services() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let (channel, token, server) = start().await;
+    let mut health = HealthClient::new(channel);
+    for service in ["", "gateway_protocol.Gateway", "courier.v1.Jobs"] {
+        let answer = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("health of '{service}': {e:?}"))
+            .into_inner();
+        assert_eq!(answer.status(), ServingStatus::Serving, "'{service}'");
+    }
+    let e = health
+        .check(HealthCheckRequest {
+            service: "no.such.Service".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+
+    // A watcher learns that the gateway stops serving.
+    let mut watch = health
+        .watch(HealthCheckRequest {
+            service: "gateway_protocol.Gateway".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap();
+    assert_eq!(first.status(), ServingStatus::Serving);
+    token.cancel();
+    let next = tokio::time::timeout(Duration::from_secs(5), watch.message())
+        .await
+        .expect("told at once")
+        .unwrap()
+        .expect("a change");
+    assert_eq!(next.status(), ServingStatus::NotServing);
+    // The watch then ends, and does not hold the shutdown up.
+    let end = tokio::time::timeout(Duration::from_secs(5), watch.message())
+        .await
+        .expect("the watch ends");
+    assert!(matches!(end, Ok(None)), "{end:?}");
+    tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .expect("the gateway stops with a watch open")
+        .unwrap()
+        .unwrap();
+}

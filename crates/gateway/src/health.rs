@@ -1,0 +1,81 @@
+//! gRPC health checking (`grpc.health.v1.Health`), which Zeebe's gateway serves too, for
+//! load balancers and Kubernetes probes. The gateway as a whole (`""`) and each of its
+//! services are SERVING while it runs and NOT_SERVING once it stops; a `Watch` stream
+//! sends the change and then ends, so an open watch never holds a shutdown up.
+
+use futures::{future, stream, Stream, StreamExt};
+use std::pin::Pin;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_server::{Health, HealthServer};
+use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
+
+/// The health service of a gateway that serves `services` until `stop`.
+pub(crate) fn service(
+    services: &'static [&'static str],
+    stop: CancellationToken,
+) -> HealthServer<GatewayHealth> {
+    HealthServer::new(GatewayHealth { services, stop })
+}
+
+pub(crate) struct GatewayHealth {
+    services: &'static [&'static str],
+    stop: CancellationToken,
+}
+
+impl GatewayHealth {
+    fn status_of(&self, service: &str) -> Result<ServingStatus, Status> {
+        if !service.is_empty() && !self.services.contains(&service) {
+            return Err(Status::not_found(format!(
+                "this gateway serves no service '{service}'; it serves {}",
+                self.services.join(", ")
+            )));
+        }
+        Ok(if self.stop.is_cancelled() {
+            ServingStatus::NotServing
+        } else {
+            ServingStatus::Serving
+        })
+    }
+}
+
+fn answer(status: ServingStatus) -> HealthCheckResponse {
+    HealthCheckResponse {
+        status: status as i32,
+    }
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<HealthCheckResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Health for GatewayHealth {
+    async fn check(
+        &self,
+        request: Request<HealthCheckRequest>,
+    ) -> Result<Response<HealthCheckResponse>, Status> {
+        let status = self.status_of(&request.get_ref().service)?;
+        Ok(Response::new(answer(status)))
+    }
+
+    type WatchStream = WatchStream;
+
+    async fn watch(
+        &self,
+        request: Request<HealthCheckRequest>,
+    ) -> Result<Response<WatchStream>, Status> {
+        let now = self.status_of(&request.get_ref().service)?;
+        let stop = self.stop.clone();
+        let change = async move {
+            stop.cancelled().await;
+            Ok(answer(ServingStatus::NotServing))
+        };
+        let first = stream::once(future::ready(Ok(answer(now))));
+        let stream: WatchStream = if now == ServingStatus::Serving {
+            Box::pin(first.chain(stream::once(change)))
+        } else {
+            Box::pin(first)
+        };
+        Ok(Response::new(stream))
+    }
+}
