@@ -586,6 +586,80 @@ async fn jobs_pushed_through_a_gateway_that_died_reach_workers_elsewhere() {
     assert_got_every_job(&cluster, &got, &keys, 53.0).await;
 }
 
+/// A whole cluster that restarts, its gateway too, resumes its leaders (here in the
+/// same term): no link of the old gateway ends at the new leaders, yet the jobs it
+/// had handed out, pushed or polled, run again once the lost-gateway grace has
+/// passed, not after their activation timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_handed_out_before_a_whole_cluster_restarted_run_again_after_the_grace() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts {
+        lost_gateway_grace: Some("2s"),
+        ..ClusterOpts::one_broker(2)
+    })
+    .await;
+    let c = cluster.client();
+    let hold = Duration::from_secs(300);
+    let mut holding = open_stream(&cluster.gateway_addr, "restarted", hold).await;
+    wait_registered(&cluster, 1.0).await;
+    let mut pushed = Vec::new();
+    for _ in 0..4 {
+        pushed.push(create_pushed(&c, &mut holding, "restarted").await);
+    }
+    let polled_key = c
+        .create_job(NewJob::new("restarted-polled"))
+        .await
+        .expect("create")
+        .key;
+    let got = c
+        .activate_jobs(ActivateJobs::new("restarted-polled").timeout(hold))
+        .await
+        .expect("poll");
+    assert_eq!(
+        got.iter().map(|j| j.key).collect::<Vec<_>>(),
+        vec![polled_key]
+    );
+
+    assert!(cluster.terminate_gateway(Duration::from_secs(10)));
+    assert!(cluster.terminate_broker(1, Duration::from_secs(10)));
+    drop(holding);
+    cluster.start_broker(1);
+    cluster.start_gateway(0);
+    cluster.wait_for_leaders(Duration::from_secs(20)).await;
+    let restarted = Instant::now();
+    let stream = open_stream(&cluster.gateway_addr, "restarted", hold).await;
+    let (got, _t) = completing_worker(c.clone(), stream);
+    wait_until(
+        Duration::from_secs(30),
+        "every pushed job completed",
+        || all_gone(&c, &pushed),
+    )
+    .await;
+    let mut again = Vec::new();
+    while again.is_empty() && restarted.elapsed() < Duration::from_secs(30) {
+        again = c
+            .activate_jobs(
+                ActivateJobs::new("restarted-polled")
+                    .timeout(hold)
+                    .request_timeout(Duration::from_secs(1)),
+            )
+            .await
+            .expect("poll");
+    }
+    assert_eq!(
+        again.iter().map(|j| j.key).collect::<Vec<_>>(),
+        vec![polled_key]
+    );
+    eprintln!(
+        "every job ran again {:?} after the restart",
+        restarted.elapsed()
+    );
+    let mut got = got.lock().unwrap().clone();
+    got.sort();
+    pushed.sort();
+    assert_eq!(got, pushed);
+}
+
 /// With `--lost-gateway-grace off`, the jobs a gateway that died had handed to its
 /// client wait for their activation timeout, as in Zeebe (their worker may still be
 /// running them), and only then run again through another gateway.

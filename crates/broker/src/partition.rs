@@ -1102,6 +1102,42 @@ async fn reconcile_pushes(p: Arc<Partition>, term: u64) {
     }
 }
 
+/// Run by a replica once it begins to lead in this process. The jobs handed out
+/// (pushed, or answered to a poll) through a gateway with no link here may have gone
+/// with a gateway that died while this replica did not lead here: its links ended at
+/// an earlier leader, or at this broker before it restarted (a whole cluster that
+/// restarts resumes its leaders in the same term, so [`reconcile_pushes`] finds no
+/// earlier leader's pushes), and no [`Partition::gateway_lost`] timer runs for them.
+/// Those of gateways that have not said hello here within the lost-gateway grace
+/// are then treated as that timer treats them; without a grace they wait for their
+/// activation timeouts.
+async fn reclaim_orphans(p: Arc<Partition>, term: u64) {
+    let Some(grace) = p.lost_gateway_grace else {
+        return;
+    };
+    let mark = p.registry.hellos();
+    tokio::time::sleep(grace).await;
+    if p.leading_term() != Some(term) {
+        return;
+    }
+    let gone = |gateway: &str| {
+        p.registry.link_of_gateway(gateway).is_none() && !p.registry.said_hello_since(gateway, mark)
+    };
+    let orphans = p.shared.read().state.handed_through_any(gone);
+    if orphans.is_empty() {
+        return;
+    }
+    tracing::info!(
+        jobs = orphans.len(),
+        "jobs were handed out through gateways that have not come back since this replica began to lead; checking them"
+    );
+    if let Some(lost) = held_by_none(&p, orphans).await {
+        if p.leading_term() == Some(term) {
+            yield_lost(&p, lost).await;
+        }
+    }
+}
+
 /// Which of `jobs` no gateway linked here holds. Every linked gateway is asked, not
 /// only the one each activation names: a push that gateway refused may have been
 /// taken by another. `None` when a gateway did not answer: the caller then leaves
@@ -1274,7 +1310,9 @@ async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
             tokio::spawn(async move {
                 tokio::select! {
                     _ = stop.cancelled() => {}
-                    _ = reconcile_pushes(q, term) => {}
+                    _ = async {
+                        tokio::join!(reconcile_pushes(q.clone(), term), reclaim_orphans(q, term))
+                    } => {}
                 }
             });
             // Parked polls may have missed notices while leadership moved, and streams

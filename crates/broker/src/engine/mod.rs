@@ -387,6 +387,12 @@ impl State {
         self.handed_where(|v| v.gateway == gateway)
     }
 
+    /// Jobs whose current activation went out, pushed or polled, in any term,
+    /// through a gateway for which `gone` holds.
+    pub fn handed_through_any(&self, gone: impl Fn(&str) -> bool) -> Vec<Handed> {
+        self.handed_where(|v| gone(&v.gateway))
+    }
+
     fn handed_where(&self, wanted: impl Fn(&Via) -> bool) -> Vec<Handed> {
         self.deadlines
             .iter()
