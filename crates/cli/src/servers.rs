@@ -335,11 +335,26 @@ fn parse_peers(s: &str) -> anyhow::Result<BTreeMap<u64, String>> {
         .collect()
 }
 
+/// A broker must be one of the peers every broker is given (an empty list means a
+/// cluster of this broker alone): another id would make a cluster of a shape the
+/// others do not know, in which this broker holds no partition.
+fn check_member(node_id: u64, peers: &BTreeMap<u64, String>) -> anyhow::Result<()> {
+    if peers.is_empty() || peers.contains_key(&node_id) {
+        return Ok(());
+    }
+    let ids: Vec<String> = peers.keys().map(u64::to_string).collect();
+    bail!(
+        "--node-id {node_id} is not one of --peers (ids {}); give every broker the same --peers, its own id among them",
+        ids.join(", ")
+    )
+}
+
 pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
     init_tracing(SERVER_LOG);
     tracing::info!(worker_threads = runtime_workers(), "starting the broker");
     let shutdown = shutdown_on_signal();
     let mut brokers = parse_peers(&a.peers)?;
+    check_member(a.node_id, &brokers)?;
     brokers.entry(a.node_id).or_insert_with(|| a.addr.clone());
     let listener = bind(&a.addr).await?;
     if let Some(m) = &a.metrics_addr {
@@ -397,6 +412,18 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_broker_must_be_one_of_its_peers() {
+        let p = parse_peers("1=127.0.0.1:1,2=127.0.0.1:2,3=127.0.0.1:3").unwrap();
+        assert!(check_member(2, &p).is_ok());
+        let e = check_member(4, &p).unwrap_err().to_string();
+        assert!(
+            e.contains("--node-id 4 is not one of --peers (ids 1, 2, 3)"),
+            "{e}"
+        );
+        assert!(check_member(4, &BTreeMap::new()).is_ok());
+    }
 
     #[test]
     fn peers_parse_and_bad_ones_say_why() {
