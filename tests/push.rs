@@ -586,6 +586,34 @@ async fn jobs_pushed_through_a_gateway_that_died_reach_workers_elsewhere() {
     assert_got_every_job(&cluster, &got, &keys, 53.0).await;
 }
 
+/// A backlog on one partition gets the stream's whole credit, not only the share of
+/// the broker that leads it: the brokers with nothing to push give theirs up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_on_one_partition_gets_the_streams_whole_credit() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    cluster.wait_for_leaders(Duration::from_secs(20)).await;
+    let c = cluster.client();
+    let mut holding = open_stream(&cluster.gateway_addr, "skewed", Duration::from_secs(120)).await;
+    wait_registered(&cluster, 3.0).await;
+    // One request: its jobs land on one partition.
+    let keys = create_in_batches(&c, "skewed", 1, 60).await;
+    let mut got = BTreeSet::new();
+    let until = Instant::now() + Duration::from_secs(10);
+    while got.len() < 32 && Instant::now() < until {
+        if let Ok(Ok(Some(job))) =
+            tokio::time::timeout(Duration::from_millis(200), holding.message()).await
+        {
+            got.insert(job.key);
+        }
+    }
+    // A Zeebe client's credit is 32: all of it is used, and no more.
+    assert_eq!(got.len(), 32, "pushed to a client that never finishes one");
+    assert!(got.iter().all(|k| keys.contains(k)));
+    let more = tokio::time::timeout(Duration::from_millis(500), holding.message()).await;
+    assert!(more.is_err(), "no push beyond the credit: {more:?}");
+}
+
 /// A whole cluster that restarts, its gateway too, resumes its leaders (here in the
 /// same term): no link of the old gateway ends at the new leaders, yet the jobs it
 /// had handed out, pushed or polled, run again once the lost-gateway grace has

@@ -205,6 +205,7 @@ impl BrokerLink {
                 );
                 let partition = (j.partition_id > 0).then_some(PartitionId(j.partition_id));
                 self.queue.notify(&j.r#type, &j.tenant_id, partition);
+                self.streams.jobs_available(node, &j.r#type, &j.tenant_id);
                 None
             }
             Some(broker_message::Kind::Push(p)) => Self::push(node, p, link),

@@ -71,6 +71,10 @@ const FLUSH_GAP: Duration = Duration::from_millis(2);
 /// How often passed activation deadlines release their credit. A backstop: the
 /// broker's `JobFinished` for a timed-out job normally comes first.
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
+/// How long a broker that announced jobs of a stream it had no credit to push keeps
+/// the stream's free credit to itself (with the other brokers that did) after its
+/// last such notice or push, counted only while the stream has free credit.
+const DEMAND_WINDOW: Duration = Duration::from_secs(1);
 /// Bound on how long a job is held, so an absurd deadline cannot overflow an Instant.
 const MAX_HOLD: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 /// Most credit a client may state for itself.
@@ -169,6 +173,12 @@ struct Aggregated {
     spared: u32,
     /// The spare room reported as credit: the sum of the clients' shares.
     spare_room: u32,
+    /// Brokers with jobs of this stream they had no credit to push (they announced
+    /// them as available), and when that was last seen: while there are any, the
+    /// free credit is split among them alone, so a backlog on one partition is not
+    /// held to its leader's share while the shares of brokers with nothing to push
+    /// go unused. See [`DEMAND_WINDOW`].
+    wanted: BTreeMap<NodeId, Instant>,
 }
 
 impl Aggregated {
@@ -325,6 +335,7 @@ impl AggregatedStreams {
                         spare: VecDeque::new(),
                         spared: 0,
                         spare_room: 0,
+                        wanted: BTreeMap::new(),
                     },
                 );
                 st.by_props.insert(key, id);
@@ -482,6 +493,27 @@ impl AggregatedStreams {
         st.deadlines.insert((new, key));
     }
 
+    /// Broker `node` announced activatable jobs of `job_type` for `tenant`. Where a
+    /// stream would take them, that broker had no credit to push them: the stream's
+    /// free credit goes to the brokers with such jobs (see [`Aggregated::wanted`]).
+    pub fn jobs_available(&self, node: NodeId, job_type: &str, tenant: &str) {
+        let mut st = self.lock();
+        let now = Instant::now();
+        let mut wanting = Vec::new();
+        for (&id, s) in st.streams.iter_mut() {
+            if s.props.job_type == job_type
+                && s.props.tenant_ids.iter().any(|t| t == tenant)
+                && s.wanted.insert(node, now).is_none()
+            {
+                wanting.push(id);
+            }
+        }
+        if !wanting.is_empty() {
+            st.dirty.extend(wanting);
+            self.wake_if_dirty(&st);
+        }
+    }
+
     /// Sets how many partitions each broker leads; a change re-splits every
     /// stream's credit.
     pub fn set_leaders(&self, led: BTreeMap<NodeId, u32>) {
@@ -554,8 +586,9 @@ impl AggregatedStreams {
         }
         if released > 0 {
             tracing::debug!(released, "credit of jobs past their deadline released");
-            self.wake_if_dirty(&st);
         }
+        st.age_demand(now);
+        self.wake_if_dirty(&st);
     }
 
     /// Attaches the outbound side of a link to broker `node`: the returned queue
@@ -775,7 +808,46 @@ impl AggregatedStreams {
     }
 }
 
+/// The free credit of stream `s`: its clients' and its spare room's.
+fn free_of(clients: &HashMap<u64, Client>, s: &Aggregated) -> u64 {
+    let of_clients: u64 = s
+        .clients
+        .iter()
+        .filter_map(|c| clients.get(c))
+        .map(|c| u64::from(c.free()))
+        .sum();
+    of_clients + u64::from(s.spare_room.saturating_sub(s.spared))
+}
+
 impl State {
+    /// Ages the brokers' demand for each stream's credit: while a stream has no
+    /// free credit no broker can push, so its demand is kept as it is; otherwise a
+    /// broker that has neither announced nor pushed jobs of the stream for
+    /// [`DEMAND_WINDOW`] has none left, and the stream is re-split without it.
+    fn age_demand(&mut self, now: Instant) {
+        let State {
+            streams,
+            clients,
+            dirty,
+            ..
+        } = self;
+        for (&id, s) in streams.iter_mut() {
+            if s.wanted.is_empty() {
+                continue;
+            }
+            if free_of(clients, s) == 0 {
+                s.wanted.values_mut().for_each(|at| *at = now);
+                continue;
+            }
+            let before = s.wanted.len();
+            s.wanted
+                .retain(|_, at| now.saturating_duration_since(*at) < DEMAND_WINDOW);
+            if s.wanted.len() != before {
+                dirty.insert(id);
+            }
+        }
+    }
+
     /// Takes a pushed job: counts it as received on its link, checks the gateway's
     /// bounds, hands it to a client and holds its credit.
     fn accept(
@@ -790,6 +862,14 @@ impl State {
         }
         if let Some(link) = self.links.get_mut(&node).filter(|l| l.conn == conn) {
             link.streams.entry(stream_id).or_default().received += 1;
+        }
+        // A broker pushing for a stream it wanted credit for still has jobs for it.
+        if let Some(at) = self
+            .streams
+            .get_mut(&stream_id)
+            .and_then(|s| s.wanted.get_mut(&node))
+        {
+            *at = Instant::now();
         }
         let key = b.job.key;
         if self.disowned.contains_key(&(key, b.lease)) {
@@ -1049,7 +1129,21 @@ impl State {
                 self.capped.remove(&id);
             }
             let free = u32::try_from(sum.min(headroom)).unwrap_or(u32::MAX);
-            let shares = split(free, &weights, stream.rotate);
+            // Brokers with jobs they had no credit for take it all, in proportion to
+            // the partitions they lead.
+            let wanted: Option<Vec<u32>> = (!stream.wanted.is_empty()).then(|| {
+                nodes
+                    .iter()
+                    .map(|n| {
+                        if stream.wanted.contains_key(n) {
+                            self.leaders.get(n).copied().unwrap_or(0).max(1)
+                        } else {
+                            0
+                        }
+                    })
+                    .collect()
+            });
+            let shares = split(free, wanted.as_deref().unwrap_or(&weights), stream.rotate);
             stream.rotate = stream.rotate.wrapping_add(1);
             for (node, share) in nodes.iter().zip(shares) {
                 let Some(link) = self.links.get_mut(node) else {
@@ -1894,6 +1988,70 @@ mod tests {
             // Something changed: the next flush re-splits.
             s.set_leaders(BTreeMap::from([(1, 2), (2, 1), (3, 0)]));
         }
+    }
+
+    #[test]
+    fn brokers_with_jobs_they_had_no_credit_for_take_the_streams_free_credit() {
+        let s = registry(30);
+        let (l1, mut rx1) = s.attach_link(1, hello());
+        let (_l2, mut rx2) = s.attach_link(2, hello());
+        s.set_leaders(BTreeMap::from([(1, 1), (2, 2)]));
+        let long = gw::StreamActivatedJobsRequest {
+            r#type: "t".into(),
+            worker: "w".into(),
+            timeout: 600_000,
+            ..Default::default()
+        };
+        let mut a = s.join(courier_proto::convert::stream_request(&long).unwrap(), None);
+        let id = a.stream_id();
+        drain(&mut rx1);
+        drain(&mut rx2);
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 10, 0)]);
+        assert_eq!(reports(&mut rx2), [(id, 20, 0)]);
+
+        // Broker 1 has jobs it could not push: the credit goes to it alone. A notice
+        // for another type or tenant changes nothing.
+        s.jobs_available(2, "u", DEFAULT_TENANT);
+        s.jobs_available(2, "t", "other");
+        s.flush();
+        assert!(drain(&mut rx1).is_empty());
+        assert!(drain(&mut rx2).is_empty());
+        s.jobs_available(1, "t", DEFAULT_TENANT);
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 30, 0)]);
+        assert_eq!(reports(&mut rx2), [(id, 0, 0)]);
+
+        // It pushes all it may: no free credit, so its demand lasts however long
+        // the client holds the jobs.
+        for k in 0..30 {
+            assert_eq!(ack(&l1, push(id, k)), ok());
+        }
+        assert_eq!(keys(&mut a).len(), 30);
+        let later = Instant::now() + DEMAND_WINDOW * 3;
+        s.sweep(later);
+        s.flush();
+        assert!(drain(&mut rx2).is_empty());
+        for k in 0..6 {
+            drop(s.finished_here(k, Instant::now()));
+        }
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 6, 30)]);
+        assert!(drain(&mut rx2).is_empty());
+
+        // With free credit and neither notices nor pushes for the window, the
+        // backlog is gone: the split by led partitions is back.
+        s.sweep(later + DEMAND_WINDOW + Duration::from_millis(1));
+        assert!(s.lock().streams[&id].wanted.is_empty());
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 2, 30)]);
+        assert_eq!(reports(&mut rx2), [(id, 4, 0)]);
+
+        // Now broker 2 has jobs it could not push.
+        s.jobs_available(2, "t", DEFAULT_TENANT);
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 0, 30)]);
+        assert_eq!(reports(&mut rx2), [(id, 6, 0)]);
     }
 
     #[test]
