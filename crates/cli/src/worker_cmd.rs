@@ -112,10 +112,11 @@ pub async fn worker(opts: ClientOpts, args: WorkerArgs) -> anyhow::Result<()> {
         );
     } else {
         report!(
-            "stopped: {} completed, {} failed, {} given back; received {} pushed, {} polled",
+            "stopped: {} completed, {} failed, {} given back, {} outcomes not recorded; received {} pushed, {} polled",
             s.completed,
             s.failed,
             s.given_back_no_capacity + s.given_back_shutdown,
+            s.commands_failed,
             s.pushed,
             s.polled
         );

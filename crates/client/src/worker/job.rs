@@ -106,12 +106,21 @@ async fn report(ctx: &Ctx, key: i64, job_retries: i32, outcome: JobOutcome) {
         Ok(()) => count(&ctx.metrics),
         Err(e) => {
             ctx.metrics.command_failed();
-            tracing::warn!(
-                job_key = key,
-                error = %e,
-                "could not report the job's outcome; it runs again after its timeout"
-            );
+            tracing::warn!(job_key = key, error = %e, "{}", refused_outcome(e.code()));
         }
+    }
+}
+
+/// What a refused outcome means for the job, by the refusal's code.
+fn refused_outcome(code: Option<tonic::Code>) -> &'static str {
+    match code {
+        Some(tonic::Code::NotFound) => {
+            "the outcome was not recorded: the job is gone (completed, its error thrown or canceled, perhaps by another run of it after its activation timed out)"
+        }
+        Some(tonic::Code::FailedPrecondition) => {
+            "the outcome was not recorded: the job is no longer activated (its activation timed out and it waits to run again, or it failed)"
+        }
+        _ => "could not report the job's outcome; it runs again after its timeout",
     }
 }
 

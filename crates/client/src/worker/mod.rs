@@ -202,9 +202,9 @@ impl JobWorkerBuilder {
     }
 
     /// Starts the worker on the current Tokio runtime. Refuses (`INVALID_ARGUMENT`)
-    /// a blank job type or worker name and a max jobs active of 0, which the
-    /// gateway would refuse on every poll; refuses (`FAILED_PRECONDITION`) to start
-    /// outside a Tokio runtime.
+    /// a blank job type or worker name, a max jobs active of 0, a timeout under
+    /// 1 ms and an invalid tenant id, which the gateway would refuse on every poll;
+    /// refuses (`FAILED_PRECONDITION`) to start outside a Tokio runtime.
     pub fn spawn(self) -> Result<JobWorker, ClientError> {
         let c = &self.config;
         let invalid = |m: &str| Err(ClientError::Status(tonic::Status::invalid_argument(m)));
@@ -216,6 +216,12 @@ impl JobWorkerBuilder {
         }
         if c.max_jobs_active == 0 {
             return invalid("max jobs active must be at least 1");
+        }
+        if c.timeout < Duration::from_millis(1) {
+            return invalid("the job timeout must be at least 1 ms");
+        }
+        if let Err(m) = courier_proto::validate::tenant_ids(&c.tenant_ids) {
+            return invalid(&m);
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return Err(ClientError::Status(tonic::Status::failed_precondition(
@@ -461,4 +467,38 @@ async fn supervise(ctx: Arc<Ctx>) {
         ctx.tracker.wait().await;
     }
     drop(state);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::convert::Infallible;
+
+    fn builder(client: &Client) -> JobWorkerBuilder {
+        JobWorker::builder(client.clone(), "t", |_job| async {
+            Ok::<_, Infallible>(JobOutcome::complete())
+        })
+    }
+
+    /// Settings every poll would be refused for stop the worker before it starts,
+    /// rather than having it retry for ever.
+    #[tokio::test]
+    async fn settings_the_gateway_would_refuse_are_refused_at_spawn() {
+        let client = Client::connect("127.0.0.1:1").unwrap();
+        let refused = |r: Result<JobWorker, ClientError>| match r {
+            Err(e) => {
+                assert_eq!(e.code(), Some(tonic::Code::InvalidArgument));
+                e.to_string()
+            }
+            Ok(_) => panic!("spawned"),
+        };
+        let e = refused(builder(&client).tenant_ids(["bad tenant"]).spawn());
+        assert!(e.contains("tenant id 'bad tenant'"), "{e}");
+        let e = refused(builder(&client).timeout(Duration::ZERO).spawn());
+        assert!(e.contains("timeout"), "{e}");
+        let e = refused(builder(&client).max_jobs_active(0).spawn());
+        assert!(e.contains("max jobs active"), "{e}");
+        let ok = builder(&client).tenant_ids(["a", "<default>"]).spawn();
+        ok.unwrap().shutdown().await;
+    }
 }
