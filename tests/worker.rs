@@ -417,3 +417,54 @@ esac"#;
         (Some(35), Some(2))
     );
 }
+
+/// A handler still running when the shutdown grace ends is killed with everything it
+/// started, not only its shell: its job has been given back and may already run
+/// elsewhere, so what the handler started must not go on and do the work too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_worker_kills_an_abandoned_handlers_processes() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::one_broker(1)).await;
+    let c = cluster.client();
+    let dir = tempfile::tempdir().unwrap();
+    let started = dir.path().join("started");
+    let side = dir.path().join("side-effect");
+    // The work runs in a subshell, a process of its own, as a script's commands do.
+    let handler = r#"touch "$STARTED"; (sleep 2; echo "$COURIER_JOB_KEY" >> "$SIDE"); echo '{}'"#;
+    let mut worker = std::process::Command::new(courier_bin())
+        .args([
+            "worker",
+            "w-abandon",
+            "--handler",
+            handler,
+            "--address",
+            &cluster.gateway_addr,
+            "--grace",
+            "300ms",
+        ])
+        .env("STARTED", &started)
+        .env("SIDE", &side)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let key = create(&c, "w-abandon", 1).await[0];
+    wait_until(Duration::from_secs(10), "the handler started", || async {
+        started.exists()
+    })
+    .await;
+    let signalled = std::process::Command::new("kill")
+        .args(["-TERM", &worker.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(signalled.success());
+    assert!(worker.wait().unwrap().success());
+    // Given back at once: another worker can take it.
+    let job = c.get_job(key).await.unwrap();
+    assert_eq!(job.state, JobState::Activatable as i32);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !side.exists(),
+        "the abandoned handler's subshell went on and did the work"
+    );
+}

@@ -162,6 +162,7 @@ async fn run_handler(command: &str, job: &ActivatedJob) -> JobOutcome {
         Ok(child) => child,
         Err(e) => return JobOutcome::fail(format!("cannot start the handler: {e}")),
     };
+    let mut group = HandlerGroup(child.id());
     let stdin = child.stdin.take();
     let variables = or_empty_object(&job.variables).to_string();
     let feed = async move {
@@ -172,9 +173,33 @@ async fn run_handler(command: &str, job: &ActivatedJob) -> JobOutcome {
         }
     };
     let ((), output) = tokio::join!(feed, child.wait_with_output());
+    group.0 = None;
     match output {
         Ok(out) => outcome_of(out.status, &out.stdout, &out.stderr),
         Err(e) => JobOutcome::fail(format!("cannot run the handler: {e}")),
+    }
+}
+
+/// The process group of a running handler (its id is the shell's pid). Dropped
+/// before the handler ended (abandoned at the end of the shutdown grace, its job
+/// given back), it kills the whole group: `kill_on_drop` ends only the shell, and
+/// what the shell started would go on running a job that may already run elsewhere.
+struct HandlerGroup(Option<u32>);
+
+impl Drop for HandlerGroup {
+    fn drop(&mut self) {
+        #[cfg(unix)]
+        if let Some(pgid) = self.0 {
+            // The standard library has no killpg; kill(1) signals a group given as -ID.
+            let killed = std::process::Command::new("kill")
+                .args(["-KILL", "--", &format!("-{pgid}")])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+            if let Err(e) = killed {
+                tracing::warn!(error = %e, pgid, "could not kill an abandoned handler's processes");
+            }
+        }
     }
 }
 
