@@ -75,8 +75,13 @@ pub async fn run(
     std::fs::create_dir_all(&config.data_dir)?;
     store::check_format(&config.data_dir).map_err(Error::Storage)?;
     store::check_shape(&config.data_dir, &config.shape()).map_err(Error::Storage)?;
-    let db = Db::open(&config.data_dir.join("db"), config.durability)
-        .map_err(|e| Error::Storage(e.to_string()))?;
+    let db = Db::open(&config.data_dir.join("db"), config.durability).map_err(|e| match e {
+        fjall::Error::Locked => Error::Storage(format!(
+            "the data directory {} is in use by another running broker (or courier dev): stop that one, or give this one another data directory",
+            config.data_dir.display()
+        )),
+        e => Error::Storage(e.to_string()),
+    })?;
     let peers = PeerChannels::new(shutdown.clone());
     let addrs = Arc::new(config.brokers.clone());
     let (notices, _) = tokio::sync::broadcast::channel(4096);
