@@ -86,6 +86,9 @@ pub enum JobCmd {
         /// Take jobs of this tenant (repeatable; default: <default>).
         #[arg(long = "tenant")]
         tenants: Vec<String>,
+        /// Fetch only this variable (repeatable; default: all).
+        #[arg(long = "fetch-variable")]
+        fetch_variables: Vec<String>,
     },
     /// Complete an activated job.
     Complete {
@@ -195,13 +198,15 @@ pub async fn job(opts: ClientOpts, cmd: JobCmd) -> anyhow::Result<()> {
             worker,
             request_timeout,
             tenants,
+            fetch_variables,
         } => {
             let request = ActivateJobs::new(job_type)
                 .worker(worker)
                 .max_jobs(max)
                 .timeout(timeout)
                 .request_timeout(request_timeout)
-                .tenant_ids(tenants);
+                .tenant_ids(tenants)
+                .fetch_variables(fetch_variables);
             let jobs = client.activate_jobs(request).await?;
             if json {
                 out!(
@@ -500,6 +505,7 @@ fn render_job(j: &Job) -> String {
     row("tenant", dash(&j.tenant_id));
     row("created", fmt_epoch_ms(j.created_at));
     row("variables", or_empty_object(&j.variables).to_string());
+    row("headers", or_empty_object(&j.custom_headers).to_string());
     out
 }
 
@@ -779,6 +785,7 @@ mod tests {
                 worker: "courier-cli".into(),
                 request_timeout: Duration::ZERO,
                 tenants: vec![],
+                fetch_variables: vec![],
             }
         );
         let cli = parse(&[
@@ -796,6 +803,8 @@ mod tests {
             "a",
             "--tenant",
             "b",
+            "--fetch-variable",
+            "amount",
         ])
         .unwrap();
         assert_eq!(
@@ -807,6 +816,7 @@ mod tests {
                 worker: "w".into(),
                 request_timeout: Duration::from_millis(500),
                 tenants: vec!["a".into(), "b".into()],
+                fetch_variables: vec!["amount".into()],
             }
         );
     }
@@ -970,15 +980,17 @@ PARTITION  LEADER
             r#type: "payment".into(),
             state: JobState::Activated as i32,
             variables: r#"{"a":1}"#.into(),
+            custom_headers: r#"{"h":"x"}"#.into(),
             ..Default::default()
         };
         let v = job_json(&j);
         assert_eq!(v["key"], json!(2251799813685249i64));
         assert_eq!(v["state"], "ACTIVATED");
         assert_eq!(v["variables"], json!({"a": 1}));
-        assert_eq!(v["customHeaders"], json!({}));
+        assert_eq!(v["customHeaders"], json!({"h": "x"}));
         let text = render_job(&j);
         assert!(text.contains("state      ACTIVATED\n"), "{text}");
+        assert!(text.contains("headers    {\"h\":\"x\"}\n"), "{text}");
         assert!(text.contains("last error -\n"), "{text}");
     }
 }

@@ -40,7 +40,14 @@ impl ClientError {
 /// `CODE: message`, plus the innermost cause when the transport failed (for example
 /// `Connection refused`), which is the part that says what went wrong.
 fn status_text(status: &tonic::Status) -> String {
-    let mut text = format!("{}: {}", code_name(status.code()), status.message());
+    // A server without the method says nothing more; the usual cause is an address
+    // that is not a gateway's (a broker's, or another service's).
+    let message = if status.code() == Code::Unimplemented && status.message().is_empty() {
+        "the server does not serve this method: is the address a Courier gateway's?"
+    } else {
+        status.message()
+    };
+    let mut text = format!("{}: {}", code_name(status.code()), message);
     let mut cause = std::error::Error::source(status);
     let mut innermost = None;
     while let Some(c) = cause {
@@ -97,5 +104,12 @@ mod tests {
             reason: "bad".into(),
         };
         assert_eq!(e.code(), None);
+        let e = ClientError::from(tonic::Status::unimplemented(""));
+        assert_eq!(
+            e.to_string(),
+            "UNIMPLEMENTED: the server does not serve this method: is the address a Courier gateway's?"
+        );
+        let e = ClientError::from(tonic::Status::unimplemented("no deploy here"));
+        assert_eq!(e.to_string(), "UNIMPLEMENTED: no deploy here");
     }
 }
