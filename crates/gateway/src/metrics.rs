@@ -363,11 +363,44 @@ impl CreditGauges {
         }))
     }
 
+    /// Drops the gauges of `job_type` once no stream of it is left, so the series
+    /// do not pile up with every type ever streamed.
+    pub fn forget(job_type: &str) {
+        if let Some(m) = METRICS.as_ref() {
+            let _ = m.credit_in_use.remove_label_values(&[job_type]);
+            let _ = m.credit_free.remove_label_values(&[job_type]);
+        }
+    }
+
     /// Adds `in_use` to the credit in use and `free` to the free credit.
     pub fn add(&self, in_use: i64, free: i64) {
         if let Some((u, f)) = &self.0 {
             u.add(in_use);
             f.add(free);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn credit_series(job_type: &str) -> usize {
+        prometheus::default_registry()
+            .gather()
+            .iter()
+            .filter(|f| f.name().starts_with("courier_gateway_credit_"))
+            .flat_map(|f| f.get_metric())
+            .filter(|m| m.get_label().iter().any(|l| l.value() == job_type))
+            .count()
+    }
+
+    #[test]
+    fn the_credit_series_of_a_type_go_with_its_last_stream() {
+        let gauges = CreditGauges::for_type("forgotten-type");
+        gauges.add(0, 32);
+        assert_eq!(credit_series("forgotten-type"), 2);
+        CreditGauges::forget("forgotten-type");
+        assert_eq!(credit_series("forgotten-type"), 0);
     }
 }

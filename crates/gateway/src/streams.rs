@@ -741,6 +741,13 @@ impl AggregatedStreams {
         );
         if left == 0 {
             if let Some(s) = st.streams.remove(&stream_id) {
+                if !st
+                    .streams
+                    .values()
+                    .any(|o| o.props.job_type == s.props.job_type)
+                {
+                    CreditGauges::forget(&s.props.job_type);
+                }
                 st.by_props.remove(&PropsKey(s.props));
             }
             st.dirty.remove(&stream_id);
@@ -1988,6 +1995,27 @@ mod tests {
             // Something changed: the next flush re-splits.
             s.set_leaders(BTreeMap::from([(1, 2), (2, 1), (3, 0)]));
         }
+    }
+
+    #[test]
+    fn a_types_credit_gauges_go_with_its_last_stream() {
+        let series = || {
+            prometheus::default_registry()
+                .gather()
+                .iter()
+                .filter(|f| f.name().starts_with("courier_gateway_credit_"))
+                .flat_map(|f| f.get_metric())
+                .filter(|m| m.get_label().iter().any(|l| l.value() == "gone-type"))
+                .count()
+        };
+        let s = registry(8);
+        let a = s.join(props("gone-type", &[], &[]), None);
+        let b = s.join(props("gone-type", &["x"], &[]), None);
+        assert_eq!(series(), 2);
+        drop(a);
+        assert_eq!(series(), 2, "another stream of the type is left");
+        drop(b);
+        assert_eq!(series(), 0);
     }
 
     #[test]
