@@ -612,6 +612,30 @@ async fn a_backlog_on_one_partition_gets_the_streams_whole_credit() {
     assert!(got.iter().all(|k| keys.contains(k)));
     let more = tokio::time::timeout(Duration::from_millis(500), holding.message()).await;
     assert!(more.is_err(), "no push beyond the credit: {more:?}");
+
+    // The same when the backlog is there before the stream: its back-fill says so.
+    let keys = create_in_batches(&c, "skewed-before", 1, 60).await;
+    let mut late = open_stream(
+        &cluster.gateway_addr,
+        "skewed-before",
+        Duration::from_secs(120),
+    )
+    .await;
+    let mut got = BTreeSet::new();
+    let until = Instant::now() + Duration::from_secs(10);
+    while got.len() < 32 && Instant::now() < until {
+        if let Ok(Ok(Some(job))) =
+            tokio::time::timeout(Duration::from_millis(200), late.message()).await
+        {
+            got.insert(job.key);
+        }
+    }
+    assert_eq!(
+        got.len(),
+        32,
+        "back-filled to a client that never finishes one"
+    );
+    assert!(got.iter().all(|k| keys.contains(k)));
 }
 
 /// A whole cluster that restarts, its gateway too, resumes its leaders (here in the

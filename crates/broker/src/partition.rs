@@ -318,6 +318,23 @@ impl Partition {
         })
     }
 
+    /// Tells the gateways that this stream's jobs wait here for credit it does not
+    /// have: a gateway then gives its free credit to the brokers with such a backlog
+    /// (its split by partitions led could leave it with less than the stream has),
+    /// and its parked polls may take them.
+    fn announce_backlog(&self, props: &ActivationProps) {
+        for tenant in &props.tenant_ids {
+            let waiting = self
+                .shared
+                .read()
+                .state
+                .activatable_count(&props.job_type, std::slice::from_ref(tenant));
+            if waiting > 0 {
+                self.announce(props.job_type.clone(), tenant.clone());
+            }
+        }
+    }
+
     /// Tells the gateways jobs of this type and tenant are activatable here.
     fn announce(&self, job_type: String, tenant_id: String) {
         // No receiver (no gateway linked) is fine.
@@ -971,8 +988,12 @@ impl Partition {
             return;
         }
         let Some(target) = self.registry.target_for(&props, want) else {
+            self.announce_backlog(&props);
             return;
         };
+        if (target.max as usize) < backlog {
+            self.announce_backlog(&props);
+        }
         let p = self.clone();
         tokio::spawn(async move {
             if let Err(e) = p.propose(LogCommand::Backfill { target }).await {
