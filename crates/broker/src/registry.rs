@@ -385,7 +385,7 @@ impl JobStreamRegistry {
     }
 
     /// A stream with free credit for jobs of this type and tenant, if any: the
-    /// recipient with the most credit (ties taken in turn), holding up to `max` of
+    /// recipients with credit in turn (see [`Self::in_turn`]), holding up to `max` of
     /// its credit for the command. What the command does not use goes back with
     /// [`Self::refund`]. No credit anywhere: `None`, and the jobs wait in the backlog.
     pub fn lookup(&self, job_type: &str, tenant: &str, max: u32) -> Option<PushTarget> {
@@ -394,7 +394,7 @@ impl JobStreamRegistry {
             .iter()
             .filter(|l| l.takes(tenant))
             .flat_map(|l| l.recipients.iter().map(move |r| (l, r)));
-        let (l, r) = self.most_credit(candidates)?;
+        let (l, r) = self.in_turn(candidates)?;
         let held = self.hold(r, max)?;
         Some(PushTarget {
             props: l.props.clone(),
@@ -408,7 +408,7 @@ impl JobStreamRegistry {
     pub fn target_for(&self, props: &ActivationProps, max: u32) -> Option<PushTarget> {
         let logicals = self.streams.get(&props.job_type)?;
         let l = logicals.iter().find(|l| &l.props == props)?;
-        let (_, r) = self.most_credit(l.recipients.iter().map(|r| (l, r)))?;
+        let (_, r) = self.in_turn(l.recipients.iter().map(|r| (l, r)))?;
         let held = self.hold(r, max)?;
         Some(PushTarget {
             props: props.clone(),
@@ -418,20 +418,20 @@ impl JobStreamRegistry {
         })
     }
 
-    /// The candidate with the most available credit; ties are taken in turn.
-    fn most_credit<'a>(
+    /// The candidates with available credit take turns, whatever their credit: the
+    /// one with the most would win every light-load push, and workers that state a
+    /// smaller credit (another `maxJobsActive`) would get nothing. Under load a
+    /// candidate whose credit is used up drops out until it frees some.
+    fn in_turn<'a>(
         &self,
         candidates: impl Iterator<Item = (&'a Logical, &'a Recipient)>,
     ) -> Option<(&'a Logical, &'a Recipient)> {
-        let all: Vec<_> = candidates
-            .map(|(l, r)| (l, r, self.available(r)))
-            .filter(|(_, _, c)| *c > 0)
-            .collect();
-        let best = all.iter().map(|(_, _, c)| *c).max()?;
-        let tied: Vec<_> = all.iter().filter(|(_, _, c)| *c == best).collect();
+        let all: Vec<_> = candidates.filter(|(_, r)| self.available(r) > 0).collect();
+        if all.is_empty() {
+            return None;
+        }
         let turn = self.turn.fetch_add(1, Ordering::Relaxed);
-        let (l, r, _) = tied[turn % tied.len()];
-        Some((*l, *r))
+        Some(all[turn % all.len()])
     }
 
     /// Credit of `r` that pushes may take now: none while its link's queue is full
@@ -604,7 +604,7 @@ mod tests {
             assert_eq!(t.max, 5);
             seen.insert(t.recipient.stream_id);
         }
-        // Equal credit: both gateways get turns (most credit first, ties rotate).
+        // Both gateways get turns.
         assert_eq!(
             seen.into_iter().collect::<Vec<_>>(),
             vec![10, 20],
@@ -711,7 +711,7 @@ mod tests {
     }
 
     #[test]
-    fn the_recipient_with_the_most_credit_is_chosen() {
+    fn recipients_with_credit_take_turns_whatever_their_credit() {
         let reg = JobStreamRegistry::default();
         let (l1, _rx1) = reg.add_link();
         let (l2, _rx2) = reg.add_link();
@@ -719,10 +719,23 @@ mod tests {
         reg.register(l2.id, 1, props("a", "w2"));
         reg.report_credit(l1.id, 1, 2, 0);
         reg.report_credit(l2.id, 1, 7, 0);
-        let t = reg.lookup("a", DEFAULT_TENANT, 1).expect("credit");
-        assert_eq!((t.recipient.link, t.props.worker.as_str()), (l2.id, "w2"));
-        assert_eq!(reg.target_for(&props("a", "w"), 5).map(|t| t.max), Some(2));
+        let workers: Vec<String> = (0..6)
+            .map(|_| {
+                let t = reg.lookup("a", DEFAULT_TENANT, 1).expect("credit");
+                t.props.worker
+            })
+            .collect();
+        // Each in turn while both have credit; then w, out of credit, drops out.
+        assert_eq!(
+            workers.iter().filter(|w| *w == "w").count(),
+            2,
+            "{workers:?}"
+        );
+        assert_ne!(workers[0], workers[1], "{workers:?}");
+        assert_ne!(workers[2], workers[3], "{workers:?}");
+        assert_eq!(&workers[4..], ["w2", "w2"], "{workers:?}");
         assert!(reg.target_for(&props("a", "w"), 5).is_none());
+        assert_eq!(reg.target_for(&props("a", "w2"), 9).map(|t| t.max), Some(3));
     }
 
     #[tokio::test(start_paused = true)]
