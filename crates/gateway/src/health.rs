@@ -64,17 +64,23 @@ impl Health for GatewayHealth {
         &self,
         request: Request<HealthCheckRequest>,
     ) -> Result<Response<WatchStream>, Status> {
-        let now = self.status_of(&request.get_ref().service)?;
+        // As the health protocol asks: an unknown service is watched too, and is
+        // SERVICE_UNKNOWN for as long as the call lasts (until the gateway stops).
+        let now = self
+            .status_of(&request.get_ref().service)
+            .unwrap_or(ServingStatus::ServiceUnknown);
         let stop = self.stop.clone();
-        let change = async move {
-            stop.cancelled().await;
-            Ok(answer(ServingStatus::NotServing))
-        };
         let first = stream::once(future::ready(Ok(answer(now))));
-        let stream: WatchStream = if now == ServingStatus::Serving {
-            Box::pin(first.chain(stream::once(change)))
-        } else {
-            Box::pin(first)
+        let stream: WatchStream = match now {
+            ServingStatus::Serving => Box::pin(first.chain(stream::once(async move {
+                stop.cancelled().await;
+                Ok(answer(ServingStatus::NotServing))
+            }))),
+            // Nothing will change: held open until the gateway stops.
+            ServingStatus::ServiceUnknown => Box::pin(first.chain(
+                stream::once(async move { stop.cancelled().await }).filter_map(|()| async { None }),
+            )),
+            _ => Box::pin(first),
         };
         Ok(Response::new(stream))
     }

@@ -203,6 +203,19 @@ async fn serves_grpc_health_checks_for_itself_and_its_services() {
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound);
 
+    // An unknown service can be watched: SERVICE_UNKNOWN, and the call stays open.
+    let mut unknown = health
+        .watch(HealthCheckRequest {
+            service: "no.such.Service".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = unknown.message().await.unwrap().unwrap();
+    assert_eq!(first.status(), ServingStatus::ServiceUnknown);
+    let open = tokio::time::timeout(Duration::from_millis(200), unknown.message()).await;
+    assert!(open.is_err(), "the watch stays open: {open:?}");
+
     // A watcher learns that the gateway stops serving.
     let mut watch = health
         .watch(HealthCheckRequest {
@@ -224,6 +237,10 @@ async fn serves_grpc_health_checks_for_itself_and_its_services() {
     let end = tokio::time::timeout(Duration::from_secs(5), watch.message())
         .await
         .expect("the watch ends");
+    assert!(matches!(end, Ok(None)), "{end:?}");
+    let end = tokio::time::timeout(Duration::from_secs(5), unknown.message())
+        .await
+        .expect("the unknown service's watch ends too");
     assert!(matches!(end, Ok(None)), "{end:?}");
     tokio::time::timeout(Duration::from_secs(5), server)
         .await
