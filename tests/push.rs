@@ -1072,21 +1072,32 @@ async fn a_new_leader_leaves_a_job_with_the_gateway_that_took_it_after_another_r
     .await;
     let c = cluster.client();
     let addrs: Vec<String> = cluster.broker_addrs.values().cloned().collect();
-    // The leader tries the one with the most credit first: the one that refuses.
     let refusing = PlayedGateway::start_as(&addrs, "second", "refusing", 200, false);
     let taking = PlayedGateway::start_as(&addrs, "second", "taking", 100, true);
     wait_registered(&cluster, 6.0).await;
-    let key = c
-        .create_job(NewJob::new("second"))
-        .await
-        .expect("create")
-        .key;
-    wait_until(
-        Duration::from_secs(10),
-        "the second gateway takes the job",
-        || async { taking.leases(key).len() == 1 },
-    )
-    .await;
+    // Streams with credit take turns: create jobs until one is tried first at the
+    // gateway that refuses, then taken by the other; complete those that went to
+    // the other at once.
+    let mut tries = 0;
+    let key = loop {
+        let key = c
+            .create_job(NewJob::new("second"))
+            .await
+            .expect("create")
+            .key;
+        wait_until(
+            Duration::from_secs(10),
+            "the second gateway takes the job",
+            || async { taking.leases(key).len() == 1 },
+        )
+        .await;
+        if !refusing.leases(key).is_empty() {
+            break key;
+        }
+        c.complete_job(key, "").await.expect("complete");
+        tries += 1;
+        assert!(tries < 6, "never tried at the refusing gateway first");
+    };
     assert_eq!(
         refusing.leases(key),
         taking.leases(key),
