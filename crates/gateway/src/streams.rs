@@ -99,6 +99,13 @@ pub const DISOWNED: &str = "disowned";
 /// `KEEPALIVE_TIMEOUT`) loses its link and the pushes queued on it: four times that
 /// is ample.
 const DISOWNED_MEMORY: Duration = Duration::from_secs(60);
+/// How long spare jobs may wait for a client of their stream to free credit. Past
+/// it the stream's clients are stuck or slow: the spare jobs go back to their
+/// brokers (for streams elsewhere, or polls) rather than wait for their activation
+/// timeouts, and the spare room is not offered again until a client frees credit.
+const SPARE_WAIT: Duration = Duration::from_secs(5);
+/// Yield reason of spare jobs that waited [`SPARE_WAIT`] for a client with room.
+pub const SPARE_WAITED: &str = "spare_waited";
 /// Yield reason of a spare job that waited until less than half its activation
 /// timeout was left: handed out now, it could time out while its worker runs it.
 pub const SPARE_STALE: &str = "spare_stale";
@@ -173,6 +180,9 @@ struct Aggregated {
     spared: u32,
     /// The spare room reported as credit: the sum of the clients' shares.
     spare_room: u32,
+    /// Its spare jobs waited [`SPARE_WAIT`] and went back: the spare room is neither
+    /// offered nor filled until a client has free credit again.
+    spare_paused: bool,
     /// Brokers with jobs of this stream they had no credit to push (they announced
     /// them as available), and when that was last seen: while there are any, the
     /// free credit is split among them alone, so a backlog on one partition is not
@@ -335,6 +345,7 @@ impl AggregatedStreams {
                         spare: VecDeque::new(),
                         spared: 0,
                         spare_room: 0,
+                        spare_paused: false,
                         wanted: BTreeMap::new(),
                     },
                 );
@@ -588,6 +599,7 @@ impl AggregatedStreams {
             tracing::debug!(released, "credit of jobs past their deadline released");
         }
         st.age_demand(now);
+        st.yield_waited_spare(now);
         self.wake_if_dirty(&st);
     }
 
@@ -823,7 +835,16 @@ fn free_of(clients: &HashMap<u64, Client>, s: &Aggregated) -> u64 {
         .filter_map(|c| clients.get(c))
         .map(|c| u64::from(c.free()))
         .sum();
-    of_clients + u64::from(s.spare_room.saturating_sub(s.spared))
+    of_clients + spare_offered(s)
+}
+
+/// The spare room a stream offers as credit.
+fn spare_offered(s: &Aggregated) -> u64 {
+    if s.spare_paused {
+        0
+    } else {
+        u64::from(s.spare_room.saturating_sub(s.spared))
+    }
 }
 
 impl State {
@@ -852,6 +873,40 @@ impl State {
             if s.wanted.len() != before {
                 dirty.insert(id);
             }
+        }
+    }
+
+    /// Gives back the spare jobs of every stream whose oldest spare job has waited
+    /// [`SPARE_WAIT`] for a client with room, and pauses its spare room.
+    fn yield_waited_spare(&mut self, now: Instant) {
+        let waited: Vec<u64> = self
+            .streams
+            .iter()
+            .filter(|(_, s)| {
+                s.spare.iter().find_map(|b| {
+                    self.held
+                        .get(&b.job.key)
+                        .filter(|h| h.client_id == SPARE && h.lease == b.lease)
+                        .map(|h| now.saturating_duration_since(h.since) >= SPARE_WAIT)
+                }) == Some(true)
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in waited {
+            let jobs: Vec<Buffered> = match self.streams.get_mut(&id) {
+                Some(s) => {
+                    s.spare_paused = true;
+                    s.spare.drain(..).collect()
+                }
+                None => continue,
+            };
+            for b in jobs {
+                if self.holds(b.job.key, SPARE, b.lease) {
+                    self.release(b.job.key);
+                    self.yield_job(b, SPARE_WAITED);
+                }
+            }
+            self.dirty.insert(id);
         }
     }
 
@@ -964,7 +1019,7 @@ impl State {
         match self
             .streams
             .get_mut(&stream_id)
-            .filter(|s| !s.clients.is_empty() && s.spare_fits())
+            .filter(|s| !s.clients.is_empty() && !s.spare_paused && s.spare_fits())
         {
             Some(s) => {
                 s.spare.push_back(b);
@@ -1129,7 +1184,11 @@ impl State {
                 }
                 sum += u64::from(free);
             }
-            sum += u64::from(stream.spare_room.saturating_sub(stream.spared));
+            if sum > 0 {
+                // A client has room again: so may the spare.
+                stream.spare_paused = false;
+            }
+            sum += spare_offered(stream);
             if sum > headroom {
                 self.capped.insert(id);
             } else {
@@ -2323,6 +2382,41 @@ mod tests {
         // The spare room is empty again and reported as free.
         s.flush();
         assert_eq!(reports(&mut rx).last(), Some(&(id, 2, 6)));
+    }
+
+    #[test]
+    fn spare_jobs_that_wait_too_long_go_back_and_the_spare_room_pauses() {
+        let s = with_spare(1, 100);
+        let (l, mut rx) = s.attach_link(1, hello());
+        let long = gw::StreamActivatedJobsRequest {
+            r#type: "t".into(),
+            worker: "w".into(),
+            timeout: 600_000,
+            ..Default::default()
+        };
+        let mut a = s.join(courier_proto::convert::stream_request(&long).unwrap(), None);
+        let id = a.stream_id();
+        for k in 1..=3 {
+            assert_eq!(ack(&l, push(id, k)), ok());
+        }
+        assert_eq!(keys(&mut a), [1]);
+        drain(&mut rx);
+        s.sweep(Instant::now() + SPARE_WAIT / 2);
+        assert!(yielded_keys(&mut rx).is_empty(), "not yet");
+        // The client is stuck: its spare jobs go back for others to run.
+        s.sweep(Instant::now() + SPARE_WAIT);
+        let mut back = yielded_keys(&mut rx);
+        back.sort();
+        assert_eq!(back, [2, 3]);
+        assert_eq!(s.inflight().0, 1);
+        // And the spare room is neither offered nor filled while it stays stuck.
+        s.flush();
+        assert_eq!(reports(&mut rx).last(), Some(&(id, 0, 3)));
+        assert_eq!(ack(&l, push(id, 4)), refused(CLIENTS_FULL));
+        // It frees its credit: room for it, and the spare room again.
+        drop(s.finished_here(1, Instant::now()));
+        s.flush();
+        assert_eq!(reports(&mut rx).last(), Some(&(id, 2, 4)));
     }
 
     /// Credit 1 and spare 100% (one place reported, one more of tolerance): job 1
