@@ -1497,6 +1497,18 @@ mod tests {
         props("t", &[], &[])
     }
 
+    /// Like [`t`], with a 10-minute activation timeout: sweeps in the tests' future
+    /// release no job's credit.
+    fn long_t() -> ActivationProps {
+        let r = gw::StreamActivatedJobsRequest {
+            r#type: "t".into(),
+            worker: "w".into(),
+            timeout: 600_000,
+            ..Default::default()
+        };
+        courier_proto::convert::stream_request(&r).unwrap()
+    }
+
     /// A push of job `key`, activation lease `key + 500`, without a deadline (held
     /// for the stream's 1 s timeout).
     fn push(stream_id: u64, key: i64) -> PushJob {
@@ -2083,13 +2095,7 @@ mod tests {
         let (l1, mut rx1) = s.attach_link(1, hello());
         let (_l2, mut rx2) = s.attach_link(2, hello());
         s.set_leaders(BTreeMap::from([(1, 1), (2, 2)]));
-        let long = gw::StreamActivatedJobsRequest {
-            r#type: "t".into(),
-            worker: "w".into(),
-            timeout: 600_000,
-            ..Default::default()
-        };
-        let mut a = s.join(courier_proto::convert::stream_request(&long).unwrap(), None);
+        let mut a = s.join(long_t(), None);
         let id = a.stream_id();
         drain(&mut rx1);
         drain(&mut rx2);
@@ -2388,13 +2394,7 @@ mod tests {
     fn spare_jobs_that_wait_too_long_go_back_and_the_spare_room_pauses() {
         let s = with_spare(1, 100);
         let (l, mut rx) = s.attach_link(1, hello());
-        let long = gw::StreamActivatedJobsRequest {
-            r#type: "t".into(),
-            worker: "w".into(),
-            timeout: 600_000,
-            ..Default::default()
-        };
-        let mut a = s.join(courier_proto::convert::stream_request(&long).unwrap(), None);
+        let mut a = s.join(long_t(), None);
         let id = a.stream_id();
         for k in 1..=3 {
             assert_eq!(ack(&l, push(id, k)), ok());
