@@ -418,9 +418,10 @@ esac"#;
     );
 }
 
-/// A handler still running when the shutdown grace ends is killed with everything it
-/// started, not only its shell: its job has been given back and may already run
-/// elsewhere, so what the handler started must not go on and do the work too.
+/// A handler still running when the shutdown grace ends (here cut short by a second
+/// signal, as a second Ctrl-C does) is killed with everything it started, not only
+/// its shell: its job has been given back and may already run elsewhere, so what
+/// the handler started must not go on and do the work too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_worker_kills_an_abandoned_handlers_processes() {
     let _g = serial().await;
@@ -429,6 +430,7 @@ async fn the_cli_worker_kills_an_abandoned_handlers_processes() {
     let dir = tempfile::tempdir().unwrap();
     let started = dir.path().join("started");
     let side = dir.path().join("side-effect");
+    let log = dir.path().join("stderr");
     // The work runs in a subshell, a process of its own, as a script's commands do.
     let handler = r#"touch "$STARTED"; (sleep 2; echo "$COURIER_JOB_KEY" >> "$SIDE"); echo '{}'"#;
     let mut worker = std::process::Command::new(courier_bin())
@@ -440,12 +442,12 @@ async fn the_cli_worker_kills_an_abandoned_handlers_processes() {
             "--address",
             &cluster.gateway_addr,
             "--grace",
-            "300ms",
+            "60s",
         ])
         .env("STARTED", &started)
         .env("SIDE", &side)
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::inherit())
+        .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
     let key = create(&c, "w-abandon", 1).await[0];
@@ -453,12 +455,34 @@ async fn the_cli_worker_kills_an_abandoned_handlers_processes() {
         started.exists()
     })
     .await;
-    let signalled = std::process::Command::new("kill")
-        .args(["-TERM", &worker.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(signalled.success());
-    assert!(worker.wait().unwrap().success());
+    let term = |pid: u32| {
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap()
+    };
+    assert!(term(worker.id()).success());
+    wait_until(
+        Duration::from_secs(10),
+        "the worker is stopping",
+        || async { std::fs::read_to_string(&log).is_ok_and(|t| t.contains("stopping:")) },
+    )
+    .await;
+    // The second signal ends the 60 s grace at once (sent until the worker is gone:
+    // one that arrives before it listens again would be missed).
+    let stopped = Instant::now();
+    let status = loop {
+        if let Some(status) = worker.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(10),
+            "a second signal cuts the grace short"
+        );
+        let _ = term(worker.id());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(status.success());
     // Given back at once: another worker can take it.
     let job = c.get_job(key).await.unwrap();
     assert_eq!(job.state, JobState::Activatable as i32);

@@ -92,11 +92,18 @@ pub async fn worker(opts: ClientOpts, args: WorkerArgs) -> anyhow::Result<()> {
 
     wait_for_signal().await;
     eprintln!(
-        "stopping: letting running handlers finish (up to {:?})",
+        "stopping: letting running handlers finish (up to {:?}; Ctrl-C again gives their jobs back now)",
         args.grace
     );
     let metrics = worker.metrics().clone();
+    let handle = worker.shutdown_handle();
+    let second = tokio::spawn(async move {
+        wait_for_signal().await;
+        eprintln!("stopping now: giving the running handlers' jobs back");
+        handle.give_back_now();
+    });
     worker.shutdown().await;
+    second.abort();
     let s = metrics.snapshot();
     if json {
         report!(

@@ -229,6 +229,7 @@ impl JobWorkerBuilder {
             )));
         };
         let stop = CancellationToken::new();
+        let abandon = CancellationToken::new();
         let metrics = WorkerMetrics::default();
         let ctx = Arc::new(Ctx {
             once: self.client.clone().with_retry_budget(Duration::ZERO),
@@ -240,12 +241,13 @@ impl JobWorkerBuilder {
             metrics: metrics.clone(),
             tracker: TaskTracker::new(),
             stop: stop.clone(),
-            abandon: CancellationToken::new(),
+            abandon: abandon.clone(),
         });
         let supervisor = runtime.spawn(supervise(ctx));
         Ok(JobWorker {
             metrics,
             stop,
+            abandon,
             supervisor: Some(supervisor),
         })
     }
@@ -281,23 +283,35 @@ impl JobWorkerBuilder {
 pub struct JobWorker {
     metrics: WorkerMetrics,
     stop: CancellationToken,
+    /// Ends the grace period.
+    abandon: CancellationToken,
     /// Ends when the shutdown is complete; `None` once joined.
     supervisor: Option<JoinHandle<()>>,
 }
 
 /// Stops a worker from anywhere (a signal handler, another task). Cloning is cheap.
 #[derive(Clone, Debug)]
-pub struct ShutdownHandle(CancellationToken);
+pub struct ShutdownHandle {
+    stop: CancellationToken,
+    abandon: CancellationToken,
+}
 
 impl ShutdownHandle {
     /// Starts the worker's shutdown; [`JobWorker::join`] waits for its end.
     pub fn shutdown(&self) {
-        self.0.cancel();
+        self.stop.cancel();
+    }
+
+    /// Starts the shutdown, or ends its grace period now: the handlers still
+    /// running are dropped and their jobs given back at once (a second Ctrl-C).
+    pub fn give_back_now(&self) {
+        self.stop.cancel();
+        self.abandon.cancel();
     }
 
     /// Whether the shutdown has started.
     pub fn is_shutdown(&self) -> bool {
-        self.0.is_cancelled()
+        self.stop.is_cancelled()
     }
 }
 
@@ -343,7 +357,10 @@ impl JobWorker {
 
     /// A handle that starts this worker's shutdown.
     pub fn shutdown_handle(&self) -> ShutdownHandle {
-        ShutdownHandle(self.stop.clone())
+        ShutdownHandle {
+            stop: self.stop.clone(),
+            abandon: self.abandon.clone(),
+        }
     }
 
     /// Shuts down and waits until it is done: no job is taken any more, running
@@ -455,10 +472,12 @@ async fn supervise(ctx: Arc<Ctx>) {
         grace = ?ctx.config.grace,
         "worker stopping: waiting for running handlers"
     );
-    if tokio::time::timeout(ctx.config.grace, ctx.tracker.wait())
-        .await
-        .is_err()
-    {
+    let finished = tokio::select! {
+        () = ctx.tracker.wait() => true,
+        () = tokio::time::sleep(ctx.config.grace) => false,
+        () = ctx.abandon.cancelled() => false,
+    };
+    if !finished {
         tracing::warn!(
             unfinished = ctx.capacity.held(),
             "grace period over: giving the unfinished jobs back"
