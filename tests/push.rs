@@ -586,6 +586,20 @@ async fn jobs_pushed_through_a_gateway_that_died_reach_workers_elsewhere() {
     assert_got_every_job(&cluster, &got, &keys, 53.0).await;
 }
 
+/// The keys of the jobs pushed to `s` until it has `n` of them, or 10 s have passed.
+async fn pushed_up_to(s: &mut tonic::Streaming<ActivatedJob>, n: usize) -> BTreeSet<i64> {
+    let mut got = BTreeSet::new();
+    let until = Instant::now() + Duration::from_secs(10);
+    while got.len() < n && Instant::now() < until {
+        if let Ok(Ok(Some(job))) =
+            tokio::time::timeout(Duration::from_millis(200), s.message()).await
+        {
+            got.insert(job.key);
+        }
+    }
+    got
+}
+
 /// A backlog on one partition gets the stream's whole credit, not only the share of
 /// the broker that leads it: the brokers with nothing to push give theirs up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -598,15 +612,7 @@ async fn a_backlog_on_one_partition_gets_the_streams_whole_credit() {
     wait_registered(&cluster, 3.0).await;
     // One request: its jobs land on one partition.
     let keys = create_in_batches(&c, "skewed", 1, 60).await;
-    let mut got = BTreeSet::new();
-    let until = Instant::now() + Duration::from_secs(10);
-    while got.len() < 32 && Instant::now() < until {
-        if let Ok(Ok(Some(job))) =
-            tokio::time::timeout(Duration::from_millis(200), holding.message()).await
-        {
-            got.insert(job.key);
-        }
-    }
+    let got = pushed_up_to(&mut holding, 32).await;
     // A Zeebe client's credit is 32: all of it is used, and no more.
     assert_eq!(got.len(), 32, "pushed to a client that never finishes one");
     assert!(got.iter().all(|k| keys.contains(k)));
@@ -621,15 +627,7 @@ async fn a_backlog_on_one_partition_gets_the_streams_whole_credit() {
         Duration::from_secs(120),
     )
     .await;
-    let mut got = BTreeSet::new();
-    let until = Instant::now() + Duration::from_secs(10);
-    while got.len() < 32 && Instant::now() < until {
-        if let Ok(Ok(Some(job))) =
-            tokio::time::timeout(Duration::from_millis(200), late.message()).await
-        {
-            got.insert(job.key);
-        }
-    }
+    let got = pushed_up_to(&mut late, 32).await;
     assert_eq!(
         got.len(),
         32,

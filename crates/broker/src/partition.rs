@@ -987,13 +987,13 @@ impl Partition {
         if want == 0 {
             return;
         }
-        let Some(target) = self.registry.target_for(&props, want) else {
-            self.announce_backlog(&props);
-            return;
-        };
-        if (target.max as usize) < backlog {
+        let target = self.registry.target_for(&props, want);
+        if target.as_ref().is_none_or(|t| (t.max as usize) < backlog) {
             self.announce_backlog(&props);
         }
+        let Some(target) = target else {
+            return;
+        };
         let p = self.clone();
         tokio::spawn(async move {
             if let Err(e) = p.propose(LogCommand::Backfill { target }).await {
@@ -1144,7 +1144,7 @@ async fn reclaim_orphans(p: Arc<Partition>, term: u64) {
     let gone = |gateway: &str| {
         p.registry.link_of_gateway(gateway).is_none() && !p.registry.said_hello_since(gateway, mark)
     };
-    let orphans = p.shared.read().state.handed_through_any(gone);
+    let orphans = p.shared.read().state.handed_through(gone);
     if orphans.is_empty() {
         return;
     }
@@ -1286,7 +1286,7 @@ impl Partition {
             if !p.is_leader() || p.registry.said_hello_since(&gateway, hellos) {
                 return;
             }
-            let candidates = p.shared.read().state.handed_through(&gateway);
+            let candidates = p.shared.read().state.handed_through(|g| g == gateway);
             if candidates.is_empty() {
                 return;
             }

@@ -381,15 +381,10 @@ impl State {
         self.handed_where(|v| v.pushed && v.term < term)
     }
 
-    /// Jobs whose current activation went out through `gateway`, pushed or polled,
-    /// in any term: a gateway that is gone took them with it.
-    pub fn handed_through(&self, gateway: &str) -> Vec<Handed> {
-        self.handed_where(|v| v.gateway == gateway)
-    }
-
     /// Jobs whose current activation went out, pushed or polled, in any term,
-    /// through a gateway for which `gone` holds.
-    pub fn handed_through_any(&self, gone: impl Fn(&str) -> bool) -> Vec<Handed> {
+    /// through a gateway for which `gone` holds: a gateway that is gone took them
+    /// with it.
+    pub fn handed_through(&self, gone: impl Fn(&str) -> bool) -> Vec<Handed> {
         self.handed_where(|v| gone(&v.gateway))
     }
 

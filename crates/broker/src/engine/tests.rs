@@ -978,7 +978,7 @@ fn a_later_leader_learns_which_activations_earlier_leaders_pushed_and_where() {
     // By gateway, pushed or polled, whatever the term: what a gateway that is gone
     // took with it.
     let through = |g: &str| {
-        s.handed_through(g)
+        s.handed_through(|x| x == g)
             .into_iter()
             .map(|e| (e.key, e.lease, e.gateway))
             .collect::<BTreeSet<_>>()
