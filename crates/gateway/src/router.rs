@@ -121,6 +121,8 @@ impl Router {
             id: 0,
         };
         let mut backoff = Backoff::new(RETRY_BASE, RETRY_CAP);
+        // A retry waiting for a leader goes as soon as the gateway learns of one.
+        let mut leader_changes = self.topology.leader_changes();
         let mut not_applied = true;
         // An attempt's answer was lost where its command may have been applied.
         let mut maybe_applied = false;
@@ -199,6 +201,7 @@ impl Router {
             tracing::trace!(%partition, reason, last, "retrying");
             tokio::select! {
                 _ = tokio::time::sleep_until(wake) => {}
+                _ = leader_changes.changed() => {}
                 _ = self.shutdown.cancelled() => {}
             }
         }

@@ -195,6 +195,9 @@ pub struct Topology {
     led: watch::Sender<BTreeMap<NodeId, u32>>,
     /// Asks the refresh task for an early round (after a routing failure).
     refresh_wanted: Notify,
+    /// Counts changes of any partition's leader, so that commands waiting to retry
+    /// for want of a leader go at once when one is known.
+    leader_changes: watch::Sender<u64>,
 }
 
 impl Topology {
@@ -217,6 +220,7 @@ impl Topology {
             partitions: watch::Sender::new(0),
             led: watch::Sender::new(BTreeMap::new()),
             refresh_wanted: Notify::new(),
+            leader_changes: watch::Sender::new(0),
         })
     }
 
@@ -264,12 +268,22 @@ impl Topology {
 
     /// Applies a NotLeader answer (see [`ClusterView::hint`]).
     pub fn hint(&self, partition: PartitionId, from: NodeId, leader: Option<NodeId>) {
-        let led = {
+        let (led, changed) = {
             let mut view = self.write();
+            let before = view.leaders.get(&partition).map(|l| l.node);
             view.hint(partition, from, leader);
-            view.led_partitions()
+            let after = view.leaders.get(&partition).map(|l| l.node);
+            (view.led_partitions(), before != after && after.is_some())
         };
         self.publish_led(led);
+        if changed {
+            self.leader_changes.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// Changes whenever a partition gets a new leader (the value counts them).
+    pub fn leader_changes(&self) -> watch::Receiver<u64> {
+        self.leader_changes.subscribe()
     }
 
     /// How many partitions each broker leads (see [`ClusterView::led_partitions`]),
@@ -387,12 +401,14 @@ impl Topology {
     }
 
     fn apply(&self, answers: &[BrokerTopology]) {
+        let mut changed = false;
         let (members, count, led) = {
             let mut view = self.write();
             let before = view.leaders.clone();
             view.merge_round(answers);
             for (p, l) in &view.leaders {
                 if before.get(p).map(|b| b.node) != Some(l.node) {
+                    changed = true;
                     tracing::info!(
                         partition = p.0,
                         leader = l.node,
@@ -408,6 +424,9 @@ impl Topology {
             )
         };
         self.publish_led(led);
+        if changed {
+            self.leader_changes.send_modify(|n| *n += 1);
+        }
         self.members.send_if_modified(|m| {
             let changed = *m != members;
             *m = members;
@@ -482,6 +501,24 @@ mod tests {
 
     fn leader_of(v: &ClusterView, p: u32) -> Option<NodeId> {
         v.leaders.get(&PartitionId(p)).map(|l| l.node)
+    }
+
+    #[test]
+    fn a_new_leader_is_announced_to_commands_waiting_for_one() {
+        let t = Topology::new(&["127.0.0.1:26501".to_string()]).unwrap();
+        let mut changes = t.leader_changes();
+        // Broker 1 says it does not lead partition 1 and names broker 2.
+        t.hint(PartitionId(1), 1, Some(2));
+        assert!(changes.has_changed().unwrap());
+        changes.mark_unchanged();
+        // The same leader again, or a broker that knows none: nothing to go for.
+        t.hint(PartitionId(1), 1, Some(2));
+        t.hint(PartitionId(1), 2, None);
+        assert!(!changes.has_changed().unwrap());
+        // A round of answers that names a leader.
+        t.apply(&[answer(3, vec![status(1, "leader", 3, 6)])]);
+        assert!(changes.has_changed().unwrap());
+        assert_eq!(t.leader(PartitionId(1)), Some(3));
     }
 
     #[test]
