@@ -144,6 +144,17 @@ impl Proc {
         }
     }
 
+    /// SIGTERM without waiting: the process begins its clean shutdown.
+    fn ask_to_stop(&self) {
+        if let Some(c) = &self.child {
+            let status = Command::new("kill")
+                .args(["-TERM", &c.id().to_string()])
+                .status()
+                .expect("run kill");
+            assert!(status.success(), "kill -TERM failed");
+        }
+    }
+
     /// SIGKILL: a crash, not a shutdown.
     fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -373,6 +384,14 @@ impl Cluster {
     pub fn kill_broker(&mut self, id: u64) {
         if let Some(p) = self.brokers.get_mut(&id) {
             p.kill();
+        }
+    }
+
+    /// Sends broker `id` SIGTERM and returns at once (see [`Cluster::terminate_broker`]
+    /// to wait for its exit).
+    pub fn ask_broker_to_stop(&self, id: u64) {
+        if let Some(p) = self.brokers.get(&id) {
+            p.ask_to_stop();
         }
     }
 

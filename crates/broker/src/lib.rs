@@ -70,6 +70,11 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    // `shutdown` asks this broker to stop; `stop` stops its tasks and server, once
+    // its partitions are handed over (see `hand_off_all`).
+    let signal = shutdown;
+    let shutdown = CancellationToken::new();
+    let _stop_on_return = shutdown.clone().drop_guard();
     config.validate().map_err(Error::Config)?;
     let config = Arc::new(config);
     std::fs::create_dir_all(&config.data_dir)?;
@@ -168,7 +173,11 @@ pub async fn run(
         "broker started"
     );
 
-    shutdown.cancelled().await;
+    signal.cancelled().await;
+    if config.hand_off_leadership {
+        hand_off_all(&partitions, &peers, &config).await;
+    }
+    shutdown.cancel();
     tasks.close();
     for part in partitions.values() {
         if let Err(e) = part.raft.shutdown().await {
@@ -185,6 +194,32 @@ pub async fn run(
     }
     tracing::info!(node = config.node_id, "broker stopped");
     Ok(())
+}
+
+/// Hands every partition this broker leads to a follower that has its whole log,
+/// all at once, before the broker stops: see [`Partition::hand_off`].
+async fn hand_off_all(
+    partitions: &service::Partitions,
+    peers: &PeerChannels,
+    config: &BrokerConfig,
+) {
+    let handoffs = partitions.values().map(|part| async move {
+        let ask = |to: u64, term: u64| async move {
+            let addr = config
+                .brokers
+                .get(&to)
+                .ok_or_else(|| format!("broker {to} is not in the configuration"))?;
+            let req = raft::ElectRequest {
+                leader: config.node_id,
+                term,
+            };
+            peers
+                .ask_to_elect(addr, part.id, &req, Duration::from_millis(500))
+                .await
+        };
+        part.hand_off(ask).await
+    });
+    futures::future::join_all(handoffs).await;
 }
 
 /// Initializes a partition's membership once. The first replica does it at once;
@@ -228,13 +263,15 @@ async fn initialize(config: Arc<BrokerConfig>, part: Arc<Partition>, shutdown: C
     }
 }
 
-/// Keeps the leadership gauge of a partition current.
+/// Keeps the leadership gauge of a partition current, and the partition's own
+/// record of since when it leads.
 async fn track_leadership(part: Arc<Partition>, shutdown: CancellationToken) {
     // Changes of role or leader only, not every entry.
     let mut m = part.raft.server_metrics();
     let gauge =
         metrics::LEADER.with_label_values(&[&part.node_id.to_string(), &part.id.to_string()]);
     loop {
+        part.note_role();
         gauge.set(i64::from(part.is_leader()));
         tokio::select! {
             _ = shutdown.cancelled() => return,

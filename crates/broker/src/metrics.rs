@@ -101,6 +101,30 @@ pub static RAFT_STREAMS_OPENED: LazyLock<IntCounter> = LazyLock::new(|| {
     )))
 });
 
+/// Partitions a leader that was asked to stop tried to hand to a follower, by
+/// outcome: handed_over, no_follower_caught_up, refused (the follower would not
+/// stand), not_taken_over (no new leader in time).
+pub static HANDOFFS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    register(built(IntCounterVec::new(
+        Opts::new(
+            "courier_broker_leadership_handoffs_total",
+            "Partitions a stopping leader tried to hand to a follower, by outcome",
+        ),
+        &["outcome"],
+    )))
+});
+
+/// Requests of a stopping leader to stand for election, by outcome: started, refused.
+pub static ELECTIONS_ASKED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    register(built(IntCounterVec::new(
+        Opts::new(
+            "courier_broker_elections_asked_total",
+            "Requests of a stopping leader to stand for election, by outcome",
+        ),
+        &["outcome"],
+    )))
+});
+
 /// Commands refused before or during replication, by reason.
 pub static REJECTED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     register(built(IntCounterVec::new(

@@ -183,8 +183,27 @@ pub struct Partition {
     lost_gateway_grace: Option<Duration>,
     /// Whether this replica leads without a majority (see [`MAJORITY_LOST_AFTER`]).
     majority_lost: AtomicBool,
+    /// Whether the proposer may hand Raft new entries, and how many it has in
+    /// flight: closed while the leadership is handed over (see [`Partition::hand_off`]).
+    gate: Mutex<Gate>,
+    gate_opened: Notify,
+    /// Since when this replica leads (see [`Partition::note_role`]).
+    leading_since: Mutex<Option<tokio::time::Instant>>,
     shutdown: CancellationToken,
 }
+
+/// See [`Partition::gate`].
+#[derive(Default)]
+struct Gate {
+    closed: bool,
+    entries: usize,
+}
+
+/// How long a leader that is shutting down waits for a follower to have its whole
+/// log, and then for that follower to lead, before it stops all the same.
+const HAND_OFF_WAIT: Duration = Duration::from_secs(1);
+/// Past its lease by this much, a leader surely grants the vote it asks for.
+const LEASE_MARGIN: Duration = Duration::from_millis(20);
 
 impl Partition {
     /// Starts the proposer and the timers of a partition; both stop on `shutdown`.
@@ -217,6 +236,9 @@ impl Partition {
             claims: Mutex::new(Claims::default()),
             lost_gateway_grace,
             majority_lost: AtomicBool::new(false),
+            gate: Mutex::new(Gate::default()),
+            gate_opened: Notify::new(),
+            leading_since: Mutex::new(None),
             shutdown: shutdown.clone(),
         });
         let span = tracing::info_span!("partition", partition = id.0, node = node_id);
@@ -231,6 +253,190 @@ impl Partition {
     /// [`MAJORITY_LOST_AFTER`].
     pub fn majority_lost(&self) -> bool {
         self.majority_lost.load(Ordering::Relaxed)
+    }
+
+    /// Keeps track of since when this replica leads; called on every change of
+    /// role or leader.
+    pub fn note_role(&self) {
+        let leading = self.is_leader();
+        let mut since = self.leading_since.lock().unwrap_or_else(|e| e.into_inner());
+        match (leading, since.is_some()) {
+            (true, false) => *since = Some(tokio::time::Instant::now()),
+            (false, true) => *since = None,
+            _ => {}
+        }
+    }
+
+    fn gate_lock(&self) -> std::sync::MutexGuard<'_, Gate> {
+        self.gate.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts an entry the proposer is about to hand Raft, unless the gate is closed.
+    fn enter_gate(&self) -> bool {
+        let mut g = self.gate_lock();
+        if g.closed {
+            return false;
+        }
+        g.entries += 1;
+        true
+    }
+
+    fn open_gate(&self) {
+        self.gate_lock().closed = false;
+        self.gate_opened.notify_one();
+    }
+
+    /// Hands the leadership of this partition to a follower before this broker
+    /// stops (Raft's leadership transfer), so that the partition is back in
+    /// milliseconds instead of after an election timeout, which in openraft 0.9 is
+    /// the leader lease and an election timeout together.
+    ///
+    /// The proposer stops handing Raft new entries (commands wait in its queue);
+    /// once every entry in flight is applied and a follower has the whole log, that
+    /// follower is asked to stand for election (`ask`: its node id, this leader's
+    /// term). This replica grants the vote, as its lease as leader is not renewed,
+    /// and the follower leads with every entry. Then the proposer goes on: Raft
+    /// refuses what waited, and the gateways send it to the new leader.
+    ///
+    /// Returns the new leader; `None` when this replica does not lead, has no
+    /// follower, or none took over within [`HAND_OFF_WAIT`] twice.
+    pub async fn hand_off<F, Fut>(&self, ask: F) -> Option<NodeId>
+    where
+        F: FnOnce(NodeId, u64) -> Fut,
+        Fut: std::future::Future<Output = Result<(), String>>,
+    {
+        {
+            let m = self.raft.server_metrics();
+            let m = m.borrow();
+            if m.state != ServerState::Leader
+                || m.membership_config.membership().voter_ids().count() < 2
+                || self.majority_lost()
+            {
+                return None;
+            }
+        }
+        // A replica votes for no one while its leader's lease runs (openraft 0.9:
+        // the longest election timeout since it last heard from it, or since it
+        // became leader, for the leader itself), so a leader younger than that would
+        // refuse the vote it hands over, and the follower standing for election
+        // would only unseat it. It leads on until then.
+        let lease = Duration::from_millis(self.raft.config().election_timeout_max);
+        let since = *self.leading_since.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(since) = since {
+            tokio::time::sleep_until(since + lease + LEASE_MARGIN).await;
+        }
+        self.gate_lock().closed = true;
+        let new_leader = self.hand_off_closed(ask).await;
+        self.open_gate();
+        new_leader
+    }
+
+    async fn hand_off_closed<F, Fut>(&self, ask: F) -> Option<NodeId>
+    where
+        F: FnOnce(NodeId, u64) -> Fut,
+        Fut: std::future::Future<Output = Result<(), String>>,
+    {
+        let mut metrics = self.raft.metrics();
+        let until = tokio::time::Instant::now() + HAND_OFF_WAIT;
+        // A follower with the whole log, once nothing is in flight.
+        let (to, term) = loop {
+            let found = {
+                let m = metrics.borrow_and_update();
+                if m.state != ServerState::Leader {
+                    return None;
+                }
+                let idle = self.gate_lock().entries == 0;
+                let last = m.last_log_index;
+                let up_to_date = m.replication.as_ref().and_then(|r| {
+                    r.iter()
+                        .filter(|(id, _)| **id != self.node_id)
+                        .find(|(_, matched)| matched.map(|l| l.index) == last)
+                        .map(|(id, _)| *id)
+                });
+                (idle && last == m.last_applied.map(|l| l.index))
+                    .then_some(up_to_date)
+                    .flatten()
+                    .map(|id| (id, m.current_term))
+            };
+            if let Some(found) = found {
+                break found;
+            }
+            // Entries in flight end by their apply, which changes the metrics.
+            match tokio::time::timeout_at(until, metrics.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return None,
+                Err(_) => {
+                    tracing::warn!("no follower caught up in time to take over the partition");
+                    metrics::HANDOFFS
+                        .with_label_values(&["no_follower_caught_up"])
+                        .inc();
+                    return None;
+                }
+            }
+        };
+        if let Err(e) = ask(to, term).await {
+            tracing::warn!(to, error = %e, "could not hand the partition over");
+            metrics::HANDOFFS.with_label_values(&["refused"]).inc();
+            return None;
+        }
+        let until = tokio::time::Instant::now() + HAND_OFF_WAIT;
+        loop {
+            {
+                let m = metrics.borrow_and_update();
+                if m.state != ServerState::Leader && m.current_leader.is_some() {
+                    tracing::info!(to = ?m.current_leader, "partition handed over");
+                    metrics::HANDOFFS.with_label_values(&["handed_over"]).inc();
+                    return m.current_leader;
+                }
+            }
+            match tokio::time::timeout_at(until, metrics.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return None,
+                Err(_) => {
+                    tracing::warn!(to, "the follower did not take the partition over in time");
+                    metrics::HANDOFFS
+                        .with_label_values(&["not_taken_over"])
+                        .inc();
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// A leader that is shutting down asks this replica to stand for election now
+    /// (see [`Partition::hand_off`]). Only a follower of that very leader and term
+    /// does; anything else is refused with why.
+    pub async fn elect_on_request(&self, leader: NodeId, term: u64) -> Result<(), String> {
+        {
+            let m = self.raft.server_metrics();
+            let m = m.borrow();
+            let current = m.vote.leader_id().get_term();
+            if m.state != ServerState::Follower
+                || m.current_leader != Some(leader)
+                || current != term
+            {
+                metrics::ELECTIONS_ASKED
+                    .with_label_values(&["refused"])
+                    .inc();
+                return Err(format!(
+                    "partition {}: broker {} follows {:?} in term {current}, not broker {leader} in term {term}",
+                    self.id, self.node_id, m.current_leader
+                ));
+            }
+        }
+        tracing::info!(
+            leader,
+            term,
+            "standing for election: the leader is stopping"
+        );
+        metrics::ELECTIONS_ASKED
+            .with_label_values(&["started"])
+            .inc();
+        self.raft
+            .trigger()
+            .elect()
+            .await
+            .map_err(|e| format!("partition {}: cannot start an election: {e}", self.id))
     }
 
     /// Prepares a client's command with the leader's push decisions and replicates it.
@@ -530,8 +736,10 @@ async fn run_proposer(
         let held = (!pending.proposals.is_empty() && completions_only(&pending.proposals))
             .then_some(pending.since + pending.hold())
             .filter(|&until| until > tokio::time::Instant::now());
+        let gated = p.gate_lock().closed;
         tokio::select! {
             _ = shutdown.cancelled() => break,
+            _ = p.gate_opened.notified(), if gated => {}
             // Completions held long enough: the check below lets them go.
             _ = tokio::time::sleep_until(held.unwrap_or(pending.since)), if held.is_some() => {}
             Some(seq) = inflight.next(), if !inflight.is_empty() => {
@@ -563,12 +771,18 @@ async fn run_proposer(
             inflight.len(),
             pending.since.elapsed(),
             pending.hold(),
-        ) {
+        ) && p.enter_gate()
+        {
             let batch = pending.take();
             let (signal, flushed) = FlushSignal::new();
             next_seq += 1;
             appending = Some((next_seq, flushed));
-            inflight.push(write(p.clone(), batch, signal, next_seq));
+            let p = p.clone();
+            inflight.push(async move {
+                let seq = write(p.clone(), batch, signal, next_seq).await;
+                p.gate_lock().entries -= 1;
+                seq
+            });
         }
     }
     // Whatever is still waiting is answered by dropping its sender: UNAVAILABLE.

@@ -104,6 +104,38 @@ impl PeerChannels {
     }
 }
 
+/// What a leader that is shutting down sends the follower it hands a partition to
+/// (`RaftCall::Elect`): stand for election now, if you follow me in this term.
+#[derive(Serialize, Deserialize)]
+pub struct ElectRequest {
+    pub leader: NodeId,
+    pub term: u64,
+}
+
+impl PeerChannels {
+    /// Asks the broker at `addr` to stand for election in `partition` at once
+    /// (see [`crate::partition::Partition::hand_off`]).
+    pub async fn ask_to_elect(
+        &self,
+        addr: &str,
+        partition: PartitionId,
+        req: &ElectRequest,
+        ttl: Duration,
+    ) -> Result<(), String> {
+        let link = self.link(addr).map_err(|e| e.to_string())?;
+        let payload = codec::encode(req).map_err(|e| e.to_string())?;
+        let reply = link
+            .call(partition, RaftCall::Elect, payload, ttl)
+            .await
+            .map_err(|e| e.to_string())?;
+        if reply.error.is_empty() {
+            Ok(())
+        } else {
+            Err(reply.error)
+        }
+    }
+}
+
 /// The Raft stream to one peer, shared by every partition: append-entries and
 /// votes go out on it as frames. A broken stream fails the calls waiting on it at
 /// once and is opened again by the next call.

@@ -5,7 +5,7 @@
 use crate::config::BrokerConfig;
 use crate::metrics;
 use crate::partition::{Notices, Partition};
-use crate::raft::{SnapshotChunkHeader, TypeConfig};
+use crate::raft::{ElectRequest, SnapshotChunkHeader, TypeConfig};
 use crate::registry::{JobStreamRegistry, Link};
 use courier_proto::cluster::{
     self, gateway_message, BrokerAddress, BrokerMessage, BrokerTopology, BrokerTopologyRequest,
@@ -68,6 +68,14 @@ async fn serve_raft_call(
             let rpc: VoteRequest<u64> =
                 codec::decode(&frame.payload).map_err(|e| malformed("vote request", e))?;
             encode(&p.raft.vote(rpc).await)
+        }
+        Ok(RaftCall::Elect) => {
+            let rpc: ElectRequest =
+                codec::decode(&frame.payload).map_err(|e| malformed("election request", e))?;
+            p.elect_on_request(rpc.leader, rpc.term)
+                .await
+                .map_err(Status::failed_precondition)?;
+            Ok(bytes::Bytes::new())
         }
         Err(_) => {
             tracing::warn!(call = frame.call, "unknown raft call dropped");

@@ -48,6 +48,7 @@ async fn start_broker() -> (
         durability: Durability::Fsync,
         raft: RaftTuning::default(),
         lost_gateway_grace: Some(courier_broker::config::DEFAULT_LOST_GATEWAY_GRACE),
+        hand_off_leadership: true,
     };
     let shutdown = CancellationToken::new();
     let broker = tokio::spawn(courier_broker::run(config, listener, shutdown.clone()));

@@ -260,6 +260,8 @@ pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
                 durability: a.durability,
                 raft: RaftTuning::default(),
                 lost_gateway_grace: a.lost_gateway.lost_gateway_grace.0,
+                // Every broker of dev stops at once: there is no one to hand to.
+                hand_off_leadership: false,
             };
             (config, listener)
         })
@@ -373,6 +375,7 @@ pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
             ..RaftTuning::default()
         },
         lost_gateway_grace: a.lost_gateway.lost_gateway_grace.0,
+        hand_off_leadership: true,
     };
     courier_broker::run(config, listener, shutdown)
         .await
