@@ -323,8 +323,11 @@ async fn stop_a_leader_while_streaming(
     stop: impl FnOnce(&mut Cluster, u64),
 ) -> (Duration, u64, Client, Vec<i64>) {
     let c = cluster.client();
+    let registered = cluster
+        .broker_metric("courier_broker_registered_streams")
+        .await;
     let stream = open_stream(&cluster.gateway_addr, job_type, Duration::from_secs(2)).await;
-    wait_registered(cluster, 3.0).await;
+    wait_registered(cluster, registered + 3.0).await;
     let (got, _t) = completing_worker(c.clone(), stream);
     let mut keys = Vec::new();
     for _ in 0..30 {
@@ -379,16 +382,42 @@ async fn pushes_resume_within_two_seconds_after_a_leader_is_killed() {
 /// followers: pushes on its partition resume sooner than any election could give
 /// it a leader (openraft 0.9 waits for the leader lease, 0.6 s, and an election
 /// timeout, 0.3 s at least, after the last heartbeat), the old leader exits
-/// cleanly, and every job is completed.
+/// cleanly, and every job is completed, those created meanwhile by other producers
+/// too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_asked_to_stop_hands_its_partitions_over_first() {
     let _g = serial().await;
     let mut cluster = Cluster::start(ClusterOpts::default()).await;
-    let (resumed, victim, c, keys) =
+    // Load besides, of a type with a worker of its own (so the jobs measured do not
+    // queue behind it): entries are in flight when the leader is asked to stop.
+    let load_stream =
+        open_stream(&cluster.gateway_addr, "handed-load", Duration::from_secs(2)).await;
+    let (_, _load_worker) = completing_worker(cluster.client(), load_stream);
+    wait_registered(&cluster, 3.0).await;
+    let loaded = Arc::new(Mutex::new(Vec::new()));
+    let stop_load = tokio_util::sync::CancellationToken::new();
+    let load: Vec<_> = (0..3)
+        .map(|_| {
+            let (c, loaded, stop) = (cluster.client(), loaded.clone(), stop_load.clone());
+            tokio::spawn(async move {
+                while !stop.is_cancelled() {
+                    if let Ok(r) = c.create_job(NewJob::new("handed-load")).await {
+                        loaded.lock().unwrap().push(r.key);
+                    }
+                }
+            })
+        })
+        .collect();
+    let (resumed, victim, c, mut keys) =
         stop_a_leader_while_streaming(&mut cluster, "handed", |cluster, victim| {
             cluster.ask_broker_to_stop(victim)
         })
         .await;
+    stop_load.cancel();
+    for l in load {
+        l.await.unwrap();
+    }
+    keys.extend(loaded.lock().unwrap().iter().copied());
     eprintln!("pushes on partition 1 resumed {resumed:?} after SIGTERM to its leader");
     assert!(
         resumed < Duration::from_millis(800),

@@ -187,6 +187,8 @@ pub struct Partition {
     /// flight: closed while the leadership is handed over (see [`Partition::hand_off`]).
     gate: Mutex<Gate>,
     gate_opened: Notify,
+    /// Told when the last entry in flight is done while the gate is closed.
+    gate_idle: Notify,
     /// Since when this replica leads (see [`Partition::note_role`]).
     leading_since: Mutex<Option<tokio::time::Instant>>,
     shutdown: CancellationToken,
@@ -238,6 +240,7 @@ impl Partition {
             majority_lost: AtomicBool::new(false),
             gate: Mutex::new(Gate::default()),
             gate_opened: Notify::new(),
+            gate_idle: Notify::new(),
             leading_since: Mutex::new(None),
             shutdown: shutdown.clone(),
         });
@@ -279,6 +282,18 @@ impl Partition {
         }
         g.entries += 1;
         true
+    }
+
+    /// An entry counted by [`Partition::enter_gate`] is applied or has failed.
+    fn leave_gate(&self) {
+        let idle = {
+            let mut g = self.gate_lock();
+            g.entries = g.entries.saturating_sub(1);
+            g.closed && g.entries == 0
+        };
+        if idle {
+            self.gate_idle.notify_one();
+        }
     }
 
     fn open_gate(&self) {
@@ -336,12 +351,12 @@ impl Partition {
         F: FnOnce(NodeId, u64) -> Fut,
         Fut: std::future::Future<Output = Result<(), String>>,
     {
-        let mut metrics = self.raft.metrics();
+        let mut watch = self.raft.metrics();
         let until = tokio::time::Instant::now() + HAND_OFF_WAIT;
         // A follower with the whole log, once nothing is in flight.
         let (to, term) = loop {
             let found = {
-                let m = metrics.borrow_and_update();
+                let m = watch.borrow_and_update();
                 if m.state != ServerState::Leader {
                     return None;
                 }
@@ -361,11 +376,12 @@ impl Partition {
             if let Some(found) = found {
                 break found;
             }
-            // Entries in flight end by their apply, which changes the metrics.
-            match tokio::time::timeout_at(until, metrics.changed()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) => return None,
-                Err(_) => {
+            // Followers catch up and entries are applied: the metrics change; the
+            // last entry in flight is done: the gate says so.
+            tokio::select! {
+                changed = watch.changed() => if changed.is_err() { return None },
+                _ = self.gate_idle.notified() => {}
+                _ = tokio::time::sleep_until(until) => {
                     tracing::warn!("no follower caught up in time to take over the partition");
                     metrics::HANDOFFS
                         .with_label_values(&["no_follower_caught_up"])
@@ -382,14 +398,14 @@ impl Partition {
         let until = tokio::time::Instant::now() + HAND_OFF_WAIT;
         loop {
             {
-                let m = metrics.borrow_and_update();
+                let m = watch.borrow_and_update();
                 if m.state != ServerState::Leader && m.current_leader.is_some() {
                     tracing::info!(to = ?m.current_leader, "partition handed over");
                     metrics::HANDOFFS.with_label_values(&["handed_over"]).inc();
                     return m.current_leader;
                 }
             }
-            match tokio::time::timeout_at(until, metrics.changed()).await {
+            match tokio::time::timeout_at(until, watch.changed()).await {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => return None,
                 Err(_) => {
@@ -780,7 +796,7 @@ async fn run_proposer(
             let p = p.clone();
             inflight.push(async move {
                 let seq = write(p.clone(), batch, signal, next_seq).await;
-                p.gate_lock().entries -= 1;
+                p.leave_gate();
                 seq
             });
         }
