@@ -186,6 +186,8 @@ pub struct Partition {
     /// Whether the proposer may hand Raft new entries, and how many it has in
     /// flight: closed while the leadership is handed over (see [`Partition::hand_off`]).
     gate: Mutex<Gate>,
+    /// Whether the gate is closed, for the proposer to read without the lock.
+    gate_closed: AtomicBool,
     gate_opened: Notify,
     /// Told when the last entry in flight is done while the gate is closed.
     gate_idle: Notify,
@@ -239,6 +241,7 @@ impl Partition {
             lost_gateway_grace,
             majority_lost: AtomicBool::new(false),
             gate: Mutex::new(Gate::default()),
+            gate_closed: AtomicBool::new(false),
             gate_opened: Notify::new(),
             gate_idle: Notify::new(),
             leading_since: Mutex::new(None),
@@ -296,8 +299,14 @@ impl Partition {
         }
     }
 
+    fn close_gate(&self) {
+        self.gate_lock().closed = true;
+        self.gate_closed.store(true, Ordering::Relaxed);
+    }
+
     fn open_gate(&self) {
         self.gate_lock().closed = false;
+        self.gate_closed.store(false, Ordering::Relaxed);
         self.gate_opened.notify_one();
     }
 
@@ -340,7 +349,7 @@ impl Partition {
         if let Some(since) = since {
             tokio::time::sleep_until(since + lease + LEASE_MARGIN).await;
         }
-        self.gate_lock().closed = true;
+        self.close_gate();
         let new_leader = self.hand_off_closed(ask).await;
         self.open_gate();
         new_leader
@@ -752,7 +761,7 @@ async fn run_proposer(
         let held = (!pending.proposals.is_empty() && completions_only(&pending.proposals))
             .then_some(pending.since + pending.hold())
             .filter(|&until| until > tokio::time::Instant::now());
-        let gated = p.gate_lock().closed;
+        let gated = p.gate_closed.load(Ordering::Relaxed);
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = p.gate_opened.notified(), if gated => {}

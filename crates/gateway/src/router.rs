@@ -121,8 +121,9 @@ impl Router {
             id: 0,
         };
         let mut backoff = Backoff::new(RETRY_BASE, RETRY_CAP);
-        // A retry waiting for a leader goes as soon as the gateway learns of one.
-        let mut leader_changes = self.topology.leader_changes();
+        // A retry waiting for a leader goes as soon as the gateway learns of one
+        // (watched from the first failure on: most commands need no retry).
+        let mut leader_changes = None;
         let mut not_applied = true;
         // An attempt's answer was lost where its command may have been applied.
         let mut maybe_applied = false;
@@ -199,9 +200,10 @@ impl Router {
             }
             metrics::broker_retry(reason);
             tracing::trace!(%partition, reason, last, "retrying");
+            let changes = leader_changes.get_or_insert_with(|| self.topology.leader_changes());
             tokio::select! {
                 _ = tokio::time::sleep_until(wake) => {}
-                _ = leader_changes.changed() => {}
+                _ = changes.changed() => {}
                 _ = self.shutdown.cancelled() => {}
             }
         }
