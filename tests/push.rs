@@ -434,6 +434,30 @@ async fn a_leader_asked_to_stop_hands_its_partitions_over_first() {
     .await;
 }
 
+/// Two brokers asked to stop at once, a leader and the follower it would ask first
+/// (the lower id): that follower, stopping too, will not stand for election, and the
+/// partition goes to the follower that stays. (Both stopped, it then has no
+/// majority, but it leads: only the hand-over could have made it leader.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_leader_hands_over_to_a_follower_that_is_not_stopping() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts::default()).await;
+    let leader = cluster.leaders().await[&1];
+    let followers: Vec<u64> = (1..=3).filter(|b| *b != leader).collect();
+    let (stopping, staying) = (followers[0], followers[1]);
+    cluster.ask_broker_to_stop(stopping);
+    cluster.ask_broker_to_stop(leader);
+    assert!(cluster.terminate_broker(leader, Duration::from_secs(10)));
+    assert!(cluster.terminate_broker(stopping, Duration::from_secs(10)));
+    let t = cluster.broker_topology(staying).await.expect("topology");
+    let p1 = t
+        .partitions
+        .iter()
+        .find(|p| p.partition_id == 1)
+        .expect("partition 1");
+    assert_eq!(p1.role, "leader", "{p1:?}");
+}
+
 /// Two of the three brokers die at once, so no partition has a majority, and come
 /// back; then the third dies. Creates and completions wait for a majority (the
 /// client retries them), the stream stays open at the gateway, and every

@@ -203,6 +203,9 @@ async fn hand_off_all(
     peers: &PeerChannels,
     config: &BrokerConfig,
 ) {
+    for part in partitions.values() {
+        part.begin_stopping();
+    }
     let handoffs = partitions.values().map(|part| async move {
         let ask = |to: u64, term: u64| async move {
             let addr = config

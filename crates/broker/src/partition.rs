@@ -193,6 +193,8 @@ pub struct Partition {
     gate_idle: Notify,
     /// Since when this replica leads (see [`Partition::note_role`]).
     leading_since: Mutex<Option<tokio::time::Instant>>,
+    /// Set once this broker was asked to stop: it takes no partition over then.
+    stopping: AtomicBool,
     shutdown: CancellationToken,
 }
 
@@ -245,6 +247,7 @@ impl Partition {
             gate_opened: Notify::new(),
             gate_idle: Notify::new(),
             leading_since: Mutex::new(None),
+            stopping: AtomicBool::new(false),
             shutdown: shutdown.clone(),
         });
         let span = tracing::info_span!("partition", partition = id.0, node = node_id);
@@ -259,6 +262,12 @@ impl Partition {
     /// [`MAJORITY_LOST_AFTER`].
     pub fn majority_lost(&self) -> bool {
         self.majority_lost.load(Ordering::Relaxed)
+    }
+
+    /// This broker was asked to stop: it no longer stands for election when a
+    /// stopping leader asks it to (see [`Partition::hand_off`]).
+    pub fn begin_stopping(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
     }
 
     /// Keeps track of since when this replica leads; called on every change of
@@ -316,17 +325,18 @@ impl Partition {
     /// the leader lease and an election timeout together.
     ///
     /// The proposer stops handing Raft new entries (commands wait in its queue);
-    /// once every entry in flight is applied and a follower has the whole log, that
-    /// follower is asked to stand for election (`ask`: its node id, this leader's
-    /// term). This replica grants the vote, as its lease as leader is not renewed,
-    /// and the follower leads with every entry. Then the proposer goes on: Raft
-    /// refuses what waited, and the gateways send it to the new leader.
+    /// once every entry in flight is applied, the followers that have the whole log
+    /// are asked in turn to stand for election (`ask`: a node id, this leader's
+    /// term) until one will (one that is stopping too will not). This replica
+    /// grants the vote, as its lease as leader is not renewed, and the follower
+    /// leads with every entry. Then the proposer goes on: Raft refuses what waited,
+    /// and the gateways send it to the new leader.
     ///
     /// Returns the new leader; `None` when this replica does not lead, has no
-    /// follower, or none took over within [`HAND_OFF_WAIT`] twice.
+    /// follower, none would take over, or none did within [`HAND_OFF_WAIT`] twice.
     pub async fn hand_off<F, Fut>(&self, ask: F) -> Option<NodeId>
     where
-        F: FnOnce(NodeId, u64) -> Fut,
+        F: Fn(NodeId, u64) -> Fut,
         Fut: std::future::Future<Output = Result<(), String>>,
     {
         {
@@ -357,13 +367,13 @@ impl Partition {
 
     async fn hand_off_closed<F, Fut>(&self, ask: F) -> Option<NodeId>
     where
-        F: FnOnce(NodeId, u64) -> Fut,
+        F: Fn(NodeId, u64) -> Fut,
         Fut: std::future::Future<Output = Result<(), String>>,
     {
         let mut watch = self.raft.metrics();
         let until = tokio::time::Instant::now() + HAND_OFF_WAIT;
-        // A follower with the whole log, once nothing is in flight.
-        let (to, term) = loop {
+        // The followers with the whole log, once nothing is in flight.
+        let (candidates, term) = loop {
             let found = {
                 let m = watch.borrow_and_update();
                 if m.state != ServerState::Leader {
@@ -371,16 +381,17 @@ impl Partition {
                 }
                 let idle = self.gate_lock().entries == 0;
                 let last = m.last_log_index;
-                let up_to_date = m.replication.as_ref().and_then(|r| {
-                    r.iter()
-                        .filter(|(id, _)| **id != self.node_id)
-                        .find(|(_, matched)| matched.map(|l| l.index) == last)
-                        .map(|(id, _)| *id)
-                });
-                (idle && last == m.last_applied.map(|l| l.index))
-                    .then_some(up_to_date)
+                let up_to_date: Vec<NodeId> = m
+                    .replication
+                    .iter()
                     .flatten()
-                    .map(|id| (id, m.current_term))
+                    .filter(|(id, matched)| {
+                        **id != self.node_id && matched.map(|l| l.index) == last
+                    })
+                    .map(|(id, _)| *id)
+                    .collect();
+                (idle && last == m.last_applied.map(|l| l.index) && !up_to_date.is_empty())
+                    .then_some((up_to_date, m.current_term))
             };
             if let Some(found) = found {
                 break found;
@@ -399,11 +410,24 @@ impl Partition {
                 }
             }
         };
-        if let Err(e) = ask(to, term).await {
-            tracing::warn!(to, error = %e, "could not hand the partition over");
+        // The first that will: one that is stopping too, say, will not.
+        let mut to = None;
+        for candidate in candidates {
+            match ask(candidate, term).await {
+                Ok(()) => {
+                    to = Some(candidate);
+                    break;
+                }
+                Err(e) => {
+                    tracing::info!(to = candidate, error = %e, "a follower would not take the partition over")
+                }
+            }
+        }
+        let Some(to) = to else {
+            tracing::warn!("no follower would take the partition over");
             metrics::HANDOFFS.with_label_values(&["refused"]).inc();
             return None;
-        }
+        };
         let until = tokio::time::Instant::now() + HAND_OFF_WAIT;
         loop {
             {
@@ -432,6 +456,15 @@ impl Partition {
     /// (see [`Partition::hand_off`]). Only a follower of that very leader and term
     /// does; anything else is refused with why.
     pub async fn elect_on_request(&self, leader: NodeId, term: u64) -> Result<(), String> {
+        if self.stopping.load(Ordering::Relaxed) {
+            metrics::ELECTIONS_ASKED
+                .with_label_values(&["refused"])
+                .inc();
+            return Err(format!(
+                "partition {}: broker {} is stopping too",
+                self.id, self.node_id
+            ));
+        }
         {
             let m = self.raft.server_metrics();
             let m = m.borrow();
