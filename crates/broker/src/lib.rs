@@ -63,6 +63,9 @@ pub enum Error {
 /// up to 4 MiB and a Raft append carries many commands.
 pub const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
 
+/// How long a stopping broker waits for its connections to close.
+const SERVER_DRAIN: Duration = Duration::from_millis(500);
+
 /// Runs a broker on `listener` until `shutdown` is cancelled, then stops every task
 /// it started and returns.
 pub async fn run(
@@ -185,9 +188,20 @@ pub async fn run(
         }
     }
     tasks.wait().await;
-    match server.await {
-        Ok(r) => r?,
-        Err(e) => tracing::warn!(error = %e, "server task ended abnormally"),
+    // A graceful close waits for every connection to end, and the connection of a
+    // peer that is frozen or cut off never does (until keepalive gives up, 10 s):
+    // those still open after SERVER_DRAIN are dropped.
+    let mut server = server;
+    match tokio::time::timeout(SERVER_DRAIN, &mut server).await {
+        Ok(Ok(r)) => r?,
+        Ok(Err(e)) => tracing::warn!(error = %e, "server task ended abnormally"),
+        Err(_) => {
+            tracing::warn!(
+                "connections still open {} ms into the shutdown were dropped",
+                SERVER_DRAIN.as_millis()
+            );
+            server.abort();
+        }
     }
     if let Err(e) = db.sync() {
         tracing::warn!(error = %e, "final flush failed");
@@ -220,7 +234,8 @@ async fn hand_off_all(
                 .ask_to_elect(addr, part.id, &req, Duration::from_millis(500))
                 .await
         };
-        part.hand_off(ask).await
+        let span = tracing::info_span!("hand-off", partition = part.id.0);
+        tracing::Instrument::instrument(part.hand_off(ask), span).await
     });
     futures::future::join_all(handoffs).await;
 }

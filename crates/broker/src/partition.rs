@@ -402,7 +402,11 @@ impl Partition {
                 changed = watch.changed() => if changed.is_err() { return None },
                 _ = self.gate_idle.notified() => {}
                 _ = tokio::time::sleep_until(until) => {
-                    tracing::warn!("no follower caught up in time to take over the partition");
+                    tracing::warn!(
+                        "no follower had the whole log within {} ms (all down, or behind): \
+                         the partition waits for an election",
+                        HAND_OFF_WAIT.as_millis()
+                    );
                     metrics::HANDOFFS
                         .with_label_values(&["no_follower_caught_up"])
                         .inc();
@@ -424,7 +428,7 @@ impl Partition {
             }
         }
         let Some(to) = to else {
-            tracing::warn!("no follower would take the partition over");
+            tracing::warn!("no follower would take the partition over: it waits for an election");
             metrics::HANDOFFS.with_label_values(&["refused"]).inc();
             return None;
         };
@@ -432,10 +436,10 @@ impl Partition {
         loop {
             {
                 let m = watch.borrow_and_update();
-                if m.state != ServerState::Leader && m.current_leader.is_some() {
-                    tracing::info!(to = ?m.current_leader, "partition handed over");
+                if let (false, Some(to)) = (m.state == ServerState::Leader, m.current_leader) {
+                    tracing::info!(to, "partition handed over");
                     metrics::HANDOFFS.with_label_values(&["handed_over"]).inc();
-                    return m.current_leader;
+                    return Some(to);
                 }
             }
             match tokio::time::timeout_at(until, watch.changed()).await {
