@@ -408,11 +408,20 @@ async fn a_leader_asked_to_stop_hands_its_partitions_over_first() {
             })
         })
         .collect();
+    let claimed = r#"courier_gateway_leader_changes_total{source="claim"}"#;
+    let claims_before = cluster.gateway_metric(0, claimed).await;
     let (resumed, victim, c, mut keys) =
         stop_a_leader_while_streaming(&mut cluster, "handed", |cluster, victim| {
             cluster.ask_broker_to_stop(victim)
         })
         .await;
+    // The new leader told the gateway itself, not leaving it to a topology round.
+    wait_until(
+        Duration::from_secs(5),
+        "the new leader announced itself",
+        || async { cluster.gateway_metric(0, claimed).await > claims_before },
+    )
+    .await;
     stop_load.cancel();
     for l in load {
         l.await.unwrap();

@@ -12,7 +12,9 @@ use crate::metrics;
 use crate::raft::Raft;
 use crate::registry::{JobStreamRegistry, PushOutcome, SentPush};
 use crate::store::sm::SharedState;
-use courier_proto::cluster::{broker_message, BrokerMessage, HeldJob, JobFinished, JobsAvailable};
+use courier_proto::cluster::{
+    broker_message, BrokerMessage, HeldJob, JobFinished, JobsAvailable, Leading,
+};
 use courier_proto::domain::{
     ActivatedJob, ActivationProps, BrokerError, Command, JobKey, NodeId, PartitionId, Reply,
 };
@@ -270,16 +272,40 @@ impl Partition {
         self.stopping.store(true, Ordering::Relaxed);
     }
 
-    /// Keeps track of since when this replica leads; called on every change of
-    /// role or leader.
+    /// Keeps track of since when this replica leads, and tells the gateways when it
+    /// begins to; called on every change of role or leader.
     pub fn note_role(&self) {
         let leading = self.is_leader();
         let mut since = self.leading_since.lock().unwrap_or_else(|e| e.into_inner());
         match (leading, since.is_some()) {
-            (true, false) => *since = Some(tokio::time::Instant::now()),
+            (true, false) => {
+                *since = Some(tokio::time::Instant::now());
+                drop(since);
+                self.announce_leadership();
+            }
             (false, true) => *since = None,
             _ => {}
         }
+    }
+
+    /// Tells every linked gateway that this replica leads now, and in which term,
+    /// so that they route here without waiting for a topology round.
+    fn announce_leadership(&self) {
+        let term = self
+            .raft
+            .server_metrics()
+            .borrow()
+            .vote
+            .leader_id()
+            .get_term();
+        tracing::info!(term, "leading: telling the gateways");
+        // No link: no gateway to tell (they learn it from their next round).
+        let _ = self.notices.send(BrokerMessage {
+            kind: Some(broker_message::Kind::Leading(Leading {
+                partition_id: self.id.0,
+                term,
+            })),
+        });
     }
 
     fn gate_lock(&self) -> std::sync::MutexGuard<'_, Gate> {

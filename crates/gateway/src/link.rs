@@ -230,6 +230,15 @@ impl BrokerLink {
                     kind: Some(gateway_message::Kind::HeldAnswer(answer)),
                 })
             }
+            Some(broker_message::Kind::Leading(l)) => {
+                if l.partition_id == 0 {
+                    tracing::warn!(node, "dropping Leading without a partition");
+                    return None;
+                }
+                self.topology
+                    .claim(PartitionId(l.partition_id), node, l.term);
+                None
+            }
             // A kind this gateway does not know (a newer broker) decodes as None.
             None => {
                 tracing::warn!(node, "dropping a link message of unknown kind");

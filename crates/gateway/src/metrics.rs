@@ -15,6 +15,7 @@ struct Metrics {
     request_duration: HistogramVec,
     long_poll_parked: IntGauge,
     broker_retries: IntCounterVec,
+    leader_changes: IntCounterVec,
     broker_links: IntGauge,
     jobs_activated: IntCounter,
     aggregated_streams: IntGauge,
@@ -72,6 +73,14 @@ fn build() -> prometheus::Result<Metrics> {
                 "Requests to brokers that were retried, by reason",
             ),
             &["reason"],
+        )?,
+        leader_changes: IntCounterVec::new(
+            Opts::new(
+                "courier_gateway_leader_changes_total",
+                "Partitions whose leader the gateway learned anew, by source: round (a \
+                 topology round), hint (a NotLeader answer), claim (the leader said so)",
+            ),
+            &["source"],
         )?,
         broker_links: IntGauge::new(
             "courier_gateway_broker_links",
@@ -160,11 +169,12 @@ fn build() -> prometheus::Result<Metrics> {
         )?,
     };
     let registry = prometheus::default_registry();
-    let collectors: [Box<dyn prometheus::core::Collector>; 21] = [
+    let collectors: [Box<dyn prometheus::core::Collector>; 22] = [
         Box::new(m.requests.clone()),
         Box::new(m.request_duration.clone()),
         Box::new(m.long_poll_parked.clone()),
         Box::new(m.broker_retries.clone()),
+        Box::new(m.leader_changes.clone()),
         Box::new(m.broker_links.clone()),
         Box::new(m.jobs_activated.clone()),
         Box::new(m.aggregated_streams.clone()),
@@ -238,6 +248,13 @@ impl Drop for RequestObserver {
 pub fn broker_retry(reason: &'static str) {
     if let Some(m) = METRICS.as_ref() {
         m.broker_retries.with_label_values(&[reason]).inc();
+    }
+}
+
+/// Counts partitions whose leader the gateway learned anew; `source` is a fixed label.
+pub fn leader_changed(source: &'static str) {
+    if let Some(m) = METRICS.as_ref() {
+        m.leader_changes.with_label_values(&[source]).inc();
     }
 }
 

@@ -7,6 +7,7 @@
 //! knows better than a view up to `topology_refresh` old.
 
 use crate::error::GatewayError;
+use crate::metrics;
 use courier_proto::cluster::{broker_client::BrokerClient, BrokerTopology, BrokerTopologyRequest};
 use courier_proto::domain::{NodeId, PartitionId};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -92,8 +93,29 @@ impl ClusterView {
             self.reports.insert(a.node_id, parts);
             self.versions.insert(a.node_id, a.version.clone());
         }
-        self.leaders = elect(answers);
+        // A leader that announced itself in a later term than the round saw (whose
+        // answers were gathered before it won) stays.
+        self.leaders = elect(answers)
+            .into_iter()
+            .map(|(p, l)| match self.leaders.get(&p) {
+                Some(known) if known.term > l.term => (p, *known),
+                _ => (p, l),
+            })
+            .collect();
         self.note_leaderless();
+    }
+
+    /// Applies a broker's own word that it leads `partition` in `term` (a `Leading`
+    /// link message): it becomes the leader unless one of a later term is known.
+    /// Returns whether the leader changed.
+    pub fn claim(&mut self, partition: PartitionId, node: NodeId, term: u64) -> bool {
+        if self.leaders.get(&partition).is_some_and(|l| l.term > term) {
+            return false;
+        }
+        let changed = self.leaders.get(&partition).map(|l| l.node) != Some(node);
+        self.leaders.insert(partition, Leader { node, term });
+        self.note_leaderless();
+        changed
     }
 
     /// Starts the clock of partitions that just lost their leader, stops that of
@@ -277,6 +299,28 @@ impl Topology {
         };
         self.publish_led(led);
         if changed {
+            metrics::leader_changed("hint");
+            self.leader_changes.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// Applies a broker's own word that it leads `partition` in `term` (see
+    /// [`ClusterView::claim`]).
+    pub fn claim(&self, partition: PartitionId, node: NodeId, term: u64) {
+        let (led, changed) = {
+            let mut view = self.write();
+            let changed = view.claim(partition, node, term);
+            (view.led_partitions(), changed)
+        };
+        self.publish_led(led);
+        if changed {
+            tracing::info!(
+                partition = partition.0,
+                leader = node,
+                term,
+                "leader changed (the leader said so)"
+            );
+            metrics::leader_changed("claim");
             self.leader_changes.send_modify(|n| *n += 1);
         }
     }
@@ -409,6 +453,7 @@ impl Topology {
             for (p, l) in &view.leaders {
                 if before.get(p).map(|b| b.node) != Some(l.node) {
                     changed = true;
+                    metrics::leader_changed("round");
                     tracing::info!(
                         partition = p.0,
                         leader = l.node,
@@ -519,6 +564,29 @@ mod tests {
         t.apply(&[answer(3, vec![status(1, "leader", 3, 6)])]);
         assert!(changes.has_changed().unwrap());
         assert_eq!(t.leader(PartitionId(1)), Some(3));
+    }
+
+    #[test]
+    fn a_leader_that_says_so_leads_unless_a_later_term_is_known() {
+        let mut v = ClusterView::default();
+        v.merge_round(&[answer(1, vec![status(1, "leader", 1, 4)])]);
+        // Broker 2 won term 5 (a hand-over): it says so over its link.
+        assert!(v.claim(PartitionId(1), 2, 5));
+        assert_eq!(leader_of(&v, 1), Some(2));
+        // A round whose answers were gathered before still names broker 1 in term 4:
+        // the later term stays.
+        v.merge_round(&[answer(1, vec![status(1, "leader", 1, 4)])]);
+        assert_eq!(v.leaders[&PartitionId(1)], Leader { node: 2, term: 5 });
+        // A late word from an earlier term changes nothing; saying it again neither.
+        assert!(!v.claim(PartitionId(1), 1, 4));
+        assert!(!v.claim(PartitionId(1), 2, 5));
+        assert_eq!(leader_of(&v, 1), Some(2));
+        // A round that knows a later term wins, and one that names no leader at all
+        // leaves the partition without one, as before.
+        v.merge_round(&[answer(3, vec![status(1, "leader", 3, 6)])]);
+        assert_eq!(leader_of(&v, 1), Some(3));
+        v.merge_round(&[answer(3, vec![status(1, "candidate", 0, 7)])]);
+        assert_eq!(leader_of(&v, 1), None);
     }
 
     #[test]
