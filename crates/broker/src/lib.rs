@@ -73,8 +73,8 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    // `shutdown` asks this broker to stop; `stop` stops its tasks and server, once
-    // its partitions are handed over (see `hand_off_all`).
+    // The caller's token asks this broker to stop (`signal`); this one stops its
+    // tasks and server, once its partitions are handed over (see `hand_off_all`).
     let signal = shutdown;
     let shutdown = CancellationToken::new();
     let _stop_on_return = shutdown.clone().drop_guard();

@@ -185,10 +185,11 @@ pub struct Partition {
     lost_gateway_grace: Option<Duration>,
     /// Whether this replica leads without a majority (see [`MAJORITY_LOST_AFTER`]).
     majority_lost: AtomicBool,
-    /// Whether the proposer may hand Raft new entries, and how many it has in
-    /// flight: closed while the leadership is handed over (see [`Partition::hand_off`]).
-    gate: Mutex<Gate>,
-    /// Whether the gate is closed, for the proposer to read without the lock.
+    /// Entries the proposer has in flight. Taken to count one in or out and to
+    /// close or open the gate, so that no entry goes in once it is closed.
+    gate: Mutex<usize>,
+    /// Closed while the leadership is handed over (see [`Partition::hand_off`]):
+    /// the proposer hands Raft no new entry. Changed only under `gate`.
     gate_closed: AtomicBool,
     gate_opened: Notify,
     /// Told when the last entry in flight is done while the gate is closed.
@@ -198,13 +199,6 @@ pub struct Partition {
     /// Set once this broker was asked to stop: it takes no partition over then.
     stopping: AtomicBool,
     shutdown: CancellationToken,
-}
-
-/// See [`Partition::gate`].
-#[derive(Default)]
-struct Gate {
-    closed: bool,
-    entries: usize,
 }
 
 /// How long a leader that is shutting down waits for a follower to have its whole
@@ -244,7 +238,7 @@ impl Partition {
             claims: Mutex::new(Claims::default()),
             lost_gateway_grace,
             majority_lost: AtomicBool::new(false),
-            gate: Mutex::new(Gate::default()),
+            gate: Mutex::new(0),
             gate_closed: AtomicBool::new(false),
             gate_opened: Notify::new(),
             gate_idle: Notify::new(),
@@ -308,41 +302,38 @@ impl Partition {
         });
     }
 
-    fn gate_lock(&self) -> std::sync::MutexGuard<'_, Gate> {
+    fn gate_lock(&self) -> std::sync::MutexGuard<'_, usize> {
         self.gate.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Counts an entry the proposer is about to hand Raft, unless the gate is closed.
     fn enter_gate(&self) -> bool {
-        let mut g = self.gate_lock();
-        if g.closed {
+        let mut entries = self.gate_lock();
+        if self.gate_closed.load(Ordering::Relaxed) {
             return false;
         }
-        g.entries += 1;
+        *entries += 1;
         true
     }
 
     /// An entry counted by [`Partition::enter_gate`] is applied or has failed.
     fn leave_gate(&self) {
         let idle = {
-            let mut g = self.gate_lock();
-            g.entries = g.entries.saturating_sub(1);
-            g.closed && g.entries == 0
+            let mut entries = self.gate_lock();
+            *entries = entries.saturating_sub(1);
+            *entries == 0 && self.gate_closed.load(Ordering::Relaxed)
         };
         if idle {
             self.gate_idle.notify_one();
         }
     }
 
-    fn close_gate(&self) {
-        self.gate_lock().closed = true;
-        self.gate_closed.store(true, Ordering::Relaxed);
-    }
-
-    fn open_gate(&self) {
-        self.gate_lock().closed = false;
-        self.gate_closed.store(false, Ordering::Relaxed);
-        self.gate_opened.notify_one();
+    fn set_gate(&self, closed: bool) {
+        let _entries = self.gate_lock();
+        self.gate_closed.store(closed, Ordering::Relaxed);
+        if !closed {
+            self.gate_opened.notify_one();
+        }
     }
 
     /// Hands the leadership of this partition to a follower before this broker
@@ -385,9 +376,9 @@ impl Partition {
         if let Some(since) = since {
             tokio::time::sleep_until(since + lease + LEASE_MARGIN).await;
         }
-        self.close_gate();
+        self.set_gate(true);
         let new_leader = self.hand_off_closed(ask).await;
-        self.open_gate();
+        self.set_gate(false);
         new_leader
     }
 
@@ -405,7 +396,7 @@ impl Partition {
                 if m.state != ServerState::Leader {
                     return None;
                 }
-                let idle = self.gate_lock().entries == 0;
+                let idle = *self.gate_lock() == 0;
                 let last = m.last_log_index;
                 let up_to_date: Vec<NodeId> = m
                     .replication
@@ -458,26 +449,27 @@ impl Partition {
             metrics::HANDOFFS.with_label_values(&["refused"]).inc();
             return None;
         };
-        let until = tokio::time::Instant::now() + HAND_OFF_WAIT;
-        loop {
-            {
-                let m = watch.borrow_and_update();
-                if let (false, Some(to)) = (m.state == ServerState::Leader, m.current_leader) {
+        let led_by_another = |m: &openraft::RaftMetrics<NodeId, openraft::BasicNode>| {
+            m.state != ServerState::Leader && m.current_leader.is_some()
+        };
+        let led = tokio::time::timeout(HAND_OFF_WAIT, watch.wait_for(led_by_another))
+            .await
+            .map(|r| r.map(|m| m.current_leader));
+        match led {
+            Ok(Ok(leader)) => {
+                if let Some(to) = leader {
                     tracing::info!(to, "partition handed over");
-                    metrics::HANDOFFS.with_label_values(&["handed_over"]).inc();
-                    return Some(to);
                 }
+                metrics::HANDOFFS.with_label_values(&["handed_over"]).inc();
+                leader
             }
-            match tokio::time::timeout_at(until, watch.changed()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) => return None,
-                Err(_) => {
-                    tracing::warn!(to, "the follower did not take the partition over in time");
-                    metrics::HANDOFFS
-                        .with_label_values(&["not_taken_over"])
-                        .inc();
-                    return None;
-                }
+            Ok(Err(_)) => None,
+            Err(_) => {
+                tracing::warn!(to, "the follower did not take the partition over in time");
+                metrics::HANDOFFS
+                    .with_label_values(&["not_taken_over"])
+                    .inc();
+                None
             }
         }
     }
@@ -486,31 +478,25 @@ impl Partition {
     /// (see [`Partition::hand_off`]). Only a follower of that very leader and term
     /// does; anything else is refused with why.
     pub async fn elect_on_request(&self, leader: NodeId, term: u64) -> Result<(), String> {
-        if self.stopping.load(Ordering::Relaxed) {
-            metrics::ELECTIONS_ASKED
-                .with_label_values(&["refused"])
-                .inc();
-            return Err(format!(
-                "partition {}: broker {} is stopping too",
-                self.id, self.node_id
-            ));
-        }
-        {
+        let refusal = if self.stopping.load(Ordering::Relaxed) {
+            Some(format!("broker {} is stopping too", self.node_id))
+        } else {
             let m = self.raft.server_metrics();
             let m = m.borrow();
             let current = m.vote.leader_id().get_term();
-            if m.state != ServerState::Follower
-                || m.current_leader != Some(leader)
-                || current != term
-            {
-                metrics::ELECTIONS_ASKED
-                    .with_label_values(&["refused"])
-                    .inc();
-                return Err(format!(
-                    "partition {}: broker {} follows {:?} in term {current}, not broker {leader} in term {term}",
-                    self.id, self.node_id, m.current_leader
-                ));
-            }
+            (m.state != ServerState::Follower || m.current_leader != Some(leader) || current != term)
+                .then(|| {
+                    format!(
+                        "broker {} follows {:?} in term {current}, not broker {leader} in term {term}",
+                        self.node_id, m.current_leader
+                    )
+                })
+        };
+        if let Some(why) = refusal {
+            metrics::ELECTIONS_ASKED
+                .with_label_values(&["refused"])
+                .inc();
+            return Err(format!("partition {}: {why}", self.id));
         }
         tracing::info!(
             leader,

@@ -251,10 +251,11 @@ pub fn broker_retry(reason: &'static str) {
     }
 }
 
-/// Counts partitions whose leader the gateway learned anew; `source` is a fixed label.
-pub fn leader_changed(source: &'static str) {
+/// Counts `n` partitions whose leader the gateway learned anew; `source` is a
+/// fixed label.
+pub fn leader_changed(source: &'static str, n: u64) {
     if let Some(m) = METRICS.as_ref() {
-        m.leader_changes.with_label_values(&[source]).inc();
+        m.leader_changes.with_label_values(&[source]).inc_by(n);
     }
 }
 

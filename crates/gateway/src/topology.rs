@@ -290,37 +290,43 @@ impl Topology {
 
     /// Applies a NotLeader answer (see [`ClusterView::hint`]).
     pub fn hint(&self, partition: PartitionId, from: NodeId, leader: Option<NodeId>) {
-        let (led, changed) = {
-            let mut view = self.write();
-            let before = view.leaders.get(&partition).map(|l| l.node);
-            view.hint(partition, from, leader);
-            let after = view.leaders.get(&partition).map(|l| l.node);
-            (view.led_partitions(), before != after && after.is_some())
-        };
-        self.publish_led(led);
-        if changed {
-            metrics::leader_changed("hint");
-            self.leader_changes.send_modify(|n| *n += 1);
-        }
+        self.update_leaders("hint", |view| view.hint(partition, from, leader));
     }
 
     /// Applies a broker's own word that it leads `partition` in `term` (see
     /// [`ClusterView::claim`]).
     pub fn claim(&self, partition: PartitionId, node: NodeId, term: u64) {
+        self.update_leaders("claim", |view| {
+            view.claim(partition, node, term);
+        });
+    }
+
+    /// Runs `update` on the view; each partition it gives a new leader is logged and
+    /// counted (learned from `source`), and the credit split and the commands
+    /// waiting for a leader hear of it.
+    fn update_leaders(&self, source: &'static str, update: impl FnOnce(&mut ClusterView)) {
         let (led, changed) = {
             let mut view = self.write();
-            let changed = view.claim(partition, node, term);
+            let before = view.leaders.clone();
+            update(&mut view);
+            let mut changed = 0;
+            for (p, l) in &view.leaders {
+                if before.get(p).map(|b| b.node) != Some(l.node) {
+                    changed += 1;
+                    tracing::info!(
+                        partition = p.0,
+                        leader = l.node,
+                        term = l.term,
+                        source,
+                        "leader changed"
+                    );
+                }
+            }
             (view.led_partitions(), changed)
         };
         self.publish_led(led);
-        if changed {
-            tracing::info!(
-                partition = partition.0,
-                leader = node,
-                term,
-                "leader changed (the leader said so)"
-            );
-            metrics::leader_changed("claim");
+        if changed > 0 {
+            metrics::leader_changed(source, changed);
             self.leader_changes.send_modify(|n| *n += 1);
         }
     }
@@ -445,33 +451,12 @@ impl Topology {
     }
 
     fn apply(&self, answers: &[BrokerTopology]) {
-        let mut changed = false;
-        let (members, count, led) = {
-            let mut view = self.write();
-            let before = view.leaders.clone();
+        let mut seen = (BTreeMap::new(), 0);
+        self.update_leaders("round", |view| {
             view.merge_round(answers);
-            for (p, l) in &view.leaders {
-                if before.get(p).map(|b| b.node) != Some(l.node) {
-                    changed = true;
-                    metrics::leader_changed("round");
-                    tracing::info!(
-                        partition = p.0,
-                        leader = l.node,
-                        term = l.term,
-                        "leader changed"
-                    );
-                }
-            }
-            (
-                view.members.clone(),
-                view.partitions_count,
-                view.led_partitions(),
-            )
-        };
-        self.publish_led(led);
-        if changed {
-            self.leader_changes.send_modify(|n| *n += 1);
-        }
+            seen = (view.members.clone(), view.partitions_count);
+        });
+        let (members, count) = seen;
         self.members.send_if_modified(|m| {
             let changed = *m != members;
             *m = members;
