@@ -455,6 +455,67 @@ async fn bad_input_gets_the_status_zeebe_clients_expect() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_is_down_is_logged_once_not_at_every_raft_call() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts::default()).await;
+    // A broker that started before its peers may have said so already.
+    let before = cluster.broker_log(1).len();
+    cluster.kill_broker(3);
+    let calls = |c: &Cluster| {
+        let addr = c.broker_metrics[&1].clone();
+        async move { metric(&addr, "courier_broker_peer_calls_unreachable_total").await }
+    };
+    // Broker 1 replicates to (or asks votes of) broker 3 for every partition, and
+    // openraft logged an error for each of those calls.
+    wait_until(
+        Duration::from_secs(20),
+        "broker 1 has failed to reach broker 3 ten times",
+        || {
+            let c = &cluster;
+            async move { calls(c).await >= 10.0 }
+        },
+    )
+    .await;
+    assert_eq!(
+        metric(
+            &cluster.broker_metrics[&1],
+            "courier_broker_peers_unreachable"
+        )
+        .await,
+        1.0
+    );
+    let log = cluster.broker_log(1).split_off(before);
+    let said = |what: &str| log.lines().filter(|l| l.contains(what)).count();
+    assert_eq!(said("cannot reach peer broker"), 1, "{log}");
+    assert_eq!(
+        said("Unreachable"),
+        0,
+        "openraft's errors were logged:\n{log}"
+    );
+
+    cluster.start_broker(3);
+    wait_until(
+        Duration::from_secs(20),
+        "broker 1 reaches broker 3 again",
+        || {
+            let c = &cluster;
+            async move {
+                metric(&c.broker_metrics[&1], "courier_broker_peers_unreachable").await == 0.0
+            }
+        },
+    )
+    .await;
+    let log = cluster.broker_log(1).split_off(before);
+    assert_eq!(
+        log.lines()
+            .filter(|l| l.contains("peer broker answers again"))
+            .count(),
+        1,
+        "{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn brokers_and_the_gateway_stop_cleanly_on_sigterm() {
     let _g = serial().await;
     let mut cluster = Cluster::start(ClusterOpts::default()).await;

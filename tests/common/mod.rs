@@ -381,6 +381,12 @@ impl Cluster {
         }
     }
 
+    /// What broker `id` has logged so far (every start of it).
+    pub fn broker_log(&self, id: u64) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("broker-{id}.log")))
+            .unwrap_or_default()
+    }
+
     pub fn kill_broker(&mut self, id: u64) {
         if let Some(p) = self.brokers.get_mut(&id) {
             p.kill();

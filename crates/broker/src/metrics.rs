@@ -101,6 +101,22 @@ pub static RAFT_STREAMS_OPENED: LazyLock<IntCounter> = LazyLock::new(|| {
     )))
 });
 
+/// Peer brokers this broker's Raft calls cannot reach now.
+pub static PEERS_UNREACHABLE: LazyLock<IntGauge> = LazyLock::new(|| {
+    register(built(IntGauge::new(
+        "courier_broker_peers_unreachable",
+        "Peer brokers this broker's Raft calls cannot reach now",
+    )))
+});
+
+/// Raft calls to peer brokers that could not reach them.
+pub static PEER_CALLS_UNREACHABLE: LazyLock<IntCounter> = LazyLock::new(|| {
+    register(built(IntCounter::new(
+        "courier_broker_peer_calls_unreachable_total",
+        "Raft calls to peer brokers that could not reach them",
+    )))
+});
+
 /// Partitions a leader that was asked to stop tried to hand to a follower, by
 /// outcome: handed_over, no_follower_caught_up, refused (the follower would not
 /// stand), not_taken_over (no new leader in time).
@@ -337,6 +353,8 @@ mod tests {
             .with_label_values(&["claimed"])
             .inc();
         super::CREATE_TO_PUSH.observe(0.001);
+        super::PEERS_UNREACHABLE.add(0);
+        super::PEER_CALLS_UNREACHABLE.inc_by(0);
         let names: Vec<String> = prometheus::gather()
             .iter()
             .map(|f| f.name().to_string())
@@ -346,6 +364,8 @@ mod tests {
             "courier_broker_commit_seconds",
             "courier_broker_partition_leader",
             "courier_broker_pushed_jobs_active",
+            "courier_broker_peers_unreachable",
+            "courier_broker_peer_calls_unreachable_total",
         ] {
             assert!(names.iter().any(|x| x == n), "{n} missing from {names:?}");
         }

@@ -57,16 +57,67 @@ pub struct SnapshotChunkHeader {
 pub struct PeerChannels {
     channels: Arc<DashMap<String, Channel>>,
     links: Arc<DashMap<String, Arc<PeerLink>>>,
+    /// Peers this broker's Raft calls cannot reach, by address: since when, and
+    /// how many calls failed since.
+    down: Arc<DashMap<String, Down>>,
     /// Ends the streams' reader tasks.
     shutdown: CancellationToken,
 }
 
+/// A peer that cannot be reached (see [`PeerChannels::unreachable`]).
+struct Down {
+    since: std::time::Instant,
+    failed_calls: u64,
+}
+
 impl PeerChannels {
     pub fn new(shutdown: CancellationToken) -> PeerChannels {
+        // On /metrics from the start, at 0.
+        crate::metrics::PEERS_UNREACHABLE.add(0);
+        crate::metrics::PEER_CALLS_UNREACHABLE.inc_by(0);
         PeerChannels {
             channels: Arc::default(),
             links: Arc::default(),
+            down: Arc::default(),
             shutdown,
+        }
+    }
+
+    /// A Raft call to the peer at `addr` could not reach it. openraft logs an
+    /// error for each such call (the servers' log filter drops those: a few a
+    /// second per partition for as long as a peer is down); this says it once.
+    fn unreachable(&self, addr: &str, peer: NodeId, error: &dyn std::fmt::Display) {
+        let mut down = self.down.entry(addr.to_string()).or_insert_with(|| {
+            crate::metrics::PEERS_UNREACHABLE.inc();
+            tracing::warn!(
+                peer,
+                addr,
+                %error,
+                "cannot reach peer broker; Raft keeps trying (quietly until it answers)"
+            );
+            Down {
+                since: std::time::Instant::now(),
+                failed_calls: 0,
+            }
+        });
+        down.failed_calls += 1;
+        crate::metrics::PEER_CALLS_UNREACHABLE.inc();
+    }
+
+    /// A Raft call to the peer at `addr` was answered.
+    fn answered(&self, addr: &str, peer: NodeId) {
+        if self.down.is_empty() {
+            return;
+        }
+        if let Some((_, down)) = self.down.remove(addr) {
+            crate::metrics::PEERS_UNREACHABLE.dec();
+            tracing::info!(
+                peer,
+                addr,
+                unreachable_for = ?down.since.elapsed(),
+                failed_calls = down.failed_calls,
+                "peer broker answers again"
+            );
         }
     }
 
@@ -224,6 +275,8 @@ impl RaftNetworkFactory<TypeConfig> for Network {
         PeerClient {
             partition: self.partition,
             target,
+            addr: addr.clone(),
+            peers: self.peers.clone(),
             client: self.peers.get(addr).map(RaftClient::new).map_err(Arc::new),
             link: self.peers.link(addr).map_err(Arc::new),
         }
@@ -234,6 +287,8 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 pub struct PeerClient {
     partition: PartitionId,
     target: NodeId,
+    addr: String,
+    peers: PeerChannels,
     client: Result<RaftClient<Channel>, Arc<tonic::transport::Error>>,
     link: Result<Arc<PeerLink>, Arc<tonic::transport::Error>>,
 }
@@ -278,10 +333,17 @@ impl PeerClient {
             .clone()
             .map_err(|e| RPCError::Unreachable(Unreachable::new(e.as_ref())))?;
         let payload = codec::encode(rpc).map_err(codec_err)?;
-        match link
+        let result = link
             .call(self.partition, call, payload, option.hard_ttl())
-            .await
-        {
+            .await;
+        match &result {
+            Ok(_) => self.peers.answered(&self.addr, self.target),
+            Err(e @ (CallError::Open(_) | CallError::NotSent)) => {
+                self.peers.unreachable(&self.addr, self.target, e)
+            }
+            Err(CallError::TimedOut | CallError::Lost) => {}
+        }
+        match result {
             Ok(reply) if reply.error.is_empty() => self.reply(&reply.payload),
             // The peer could not serve it: retried, like a lost reply.
             Ok(reply) => Err(RPCError::Network(NetworkError::new(

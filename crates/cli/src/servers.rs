@@ -139,19 +139,58 @@ pub struct GatewayArgs {
 }
 
 /// What the servers log unless `RUST_LOG` says otherwise. openraft warns of every
-/// failed attempt to reach a peer that is down; its errors are kept.
+/// failed attempt to reach a peer that is down; its errors are kept, but for the
+/// one of each call that could not reach a peer ([`QuietUnreachablePeers`]).
 const SERVER_LOG: &str = "info,openraft=error";
 
 /// Logs to stderr: `default_filter`, or what `RUST_LOG` asks for.
 pub fn init_tracing(default_filter: &str) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        // Colours only for a person at a terminal, not in a log file or a pipe.
-        .with_ansi(std::io::stderr().is_terminal())
+    let _ = tracing_subscriber::registry()
+        .with(filter)
+        .with(QuietUnreachablePeers)
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                // Colours only for a person at a terminal, not in a log file or a pipe.
+                .with_ansi(std::io::stderr().is_terminal()),
+        )
         .try_init();
+}
+
+/// Drops openraft's errors and warnings for each Raft call that could not reach a
+/// peer broker: a few a second per partition for as long as the peer is down. The broker says
+/// once that it cannot reach the peer, and again when the peer answers.
+struct QuietUnreachablePeers;
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for QuietUnreachablePeers {
+    fn event_enabled(
+        &self,
+        event: &tracing::Event<'_>,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool {
+        let meta = event.metadata();
+        if *meta.level() > tracing::Level::WARN || !meta.target().starts_with("openraft") {
+            return true;
+        }
+        let mut found = MentionsUnreachable(false);
+        event.record(&mut found);
+        !found.0
+    }
+}
+
+/// Whether any field of an event names openraft's `Unreachable` error.
+struct MentionsUnreachable(bool);
+
+impl tracing::field::Visit for MentionsUnreachable {
+    fn record_debug(&mut self, _: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if !self.0 {
+            self.0 = format!("{value:?}").contains("Unreachable");
+        }
+    }
 }
 
 /// A token cancelled on Ctrl-C or SIGTERM.
