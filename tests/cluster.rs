@@ -455,6 +455,59 @@ async fn bad_input_gets_the_status_zeebe_clients_expect() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_sent_to_a_leader_that_froze_goes_to_its_successor() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    for _ in 0..12 {
+        c.create_job(NewJob::new("frozen")).await.expect("create");
+    }
+    let keys = activate_n(&c, poll("frozen", 12), 12, Duration::from_secs(20)).await;
+    let leaders = cluster.leaders().await;
+    // A job of a partition broker 1 leads, and one of a partition it does not.
+    let led_by_1 = |k: &i64| {
+        let p = courier_proto::domain::JobKey(*k)
+            .partition()
+            .expect("partition")
+            .0;
+        leaders.get(&p) == Some(&1)
+    };
+    let on_1 = *keys
+        .iter()
+        .find(|k| led_by_1(k))
+        .expect("a job on broker 1");
+    let elsewhere = *keys.iter().find(|k| !led_by_1(k)).expect("a job elsewhere");
+    c.complete_job(elsewhere, "{}").await.expect("complete");
+
+    // Frozen (SIGSTOP), broker 1 keeps its connections open and answers nothing:
+    // the complete sent to it would wait for as long as the freeze lasts. Another
+    // broker is elected in about a second and tells the gateway, which sends the
+    // command there.
+    cluster.freeze_broker(1, true);
+    let started = Instant::now();
+    let done = c.complete_job(on_1, "{}").await;
+    let took = started.elapsed();
+    cluster.freeze_broker(1, false);
+    done.expect("complete after the freeze");
+    assert!(
+        took < Duration::from_secs(4),
+        "the complete took {took:?} while its partition's leader was frozen"
+    );
+    assert!(
+        cluster
+            .gateway_metric(0, "courier_gateway_broker_retries_total")
+            .await
+            >= 1.0
+    );
+    wait_until(Duration::from_secs(20), "both jobs are gone", || {
+        let c = &c;
+        async move { common::all_gone(c, &[on_1, elsewhere]).await }
+    })
+    .await;
+    cluster.kill_broker(1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_is_down_is_logged_once_not_at_every_raft_call() {
     let _g = serial().await;
     let mut cluster = Cluster::start(ClusterOpts::default()).await;

@@ -48,6 +48,10 @@ enum Failed {
     Unreachable(String),
     /// The request may have been sent: the call failed or timed out midway.
     Transport(String),
+    /// The request was sent to a leader that another broker has replaced since,
+    /// and it has not answered (see [`Router::unless_deposed`]): it may have been
+    /// applied, by the new leader if the old one replicated it in time.
+    Deposed(String),
     /// The broker's answer could not be understood, or it failed in a way that
     /// retrying does not fix.
     Fatal(String),
@@ -183,6 +187,11 @@ impl Router {
                     maybe_applied = true;
                     ("transport", m)
                 }
+                Err(Failed::Deposed(m)) => {
+                    not_applied = false;
+                    maybe_applied = true;
+                    ("deposed", m)
+                }
                 Err(Failed::Fatal(m)) => {
                     return Err(RouteFailure {
                         error: BrokerError::Internal(m),
@@ -245,11 +254,14 @@ impl Router {
             Ok(replies.into_inner())
         };
         // Cloning shares the encoded payload (`Bytes`), it does not copy it.
-        let reply = match self
-            .commands(&addr)
-            .call(open, execute.clone(), deadline)
-            .await
-        {
+        let commands = self.commands(&addr);
+        let call = commands.call(open, execute.clone(), deadline);
+        let Some(reply) = self.unless_deposed(partition, node, call).await else {
+            return Err(Failed::Deposed(format!(
+                "broker {node} no longer leads partition {partition} and has not answered"
+            )));
+        };
+        let reply = match reply {
             Ok(reply) => reply,
             Err(CallError::Open(status)) => return Err(self.classify(node, &status)),
             Err(CallError::NotSent) => {
@@ -281,6 +293,34 @@ impl Router {
             }
         }
         Ok(answer)
+    }
+
+    /// Awaits `call` to `node`, unless the gateway learns meanwhile that another
+    /// broker leads `partition` (`None`). A leader that froze or was cut off from the
+    /// gateway may not answer for as long as that lasts, where its successor,
+    /// elected in about a second, answers at once.
+    async fn unless_deposed<F: std::future::Future>(
+        &self,
+        partition: PartitionId,
+        node: NodeId,
+        call: F,
+    ) -> Option<F::Output> {
+        let mut changes = self.topology.leader_changes();
+        tokio::pin!(call);
+        loop {
+            tokio::select! {
+                biased;
+                reply = &mut call => return Some(reply),
+                changed = changes.changed() => {
+                    if changed.is_err() {
+                        return Some(call.await);
+                    }
+                    if self.topology.leader(partition).is_some_and(|l| l != node) {
+                        return None;
+                    }
+                }
+            }
+        }
     }
 
     fn classify(&self, node: NodeId, status: &tonic::Status) -> Failed {
