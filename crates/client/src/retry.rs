@@ -52,6 +52,26 @@ pub fn is_retryable(code: Code) -> bool {
     matches!(code, Code::Unavailable | Code::ResourceExhausted)
 }
 
+/// Whether `status` says the request never left this process: the connection it
+/// was queued on closed before it was written (hyper cancels it then, and tonic
+/// answers CANCELLED). Sending it again cannot apply it twice, whatever it does;
+/// seen when a gateway restarts under a client.
+pub fn never_sent(status: &Status) -> bool {
+    if status.code() != Code::Cancelled {
+        return false;
+    }
+    let mut source = std::error::Error::source(status);
+    while let Some(e) = source {
+        if e.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_canceled)
+        {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
 /// Runs `call` until it succeeds, fails with a code that is not retryable, or
 /// `budget` has passed since the first attempt; then returns the last outcome. The
 /// last sleep is shortened to end at the budget, so one attempt is made right at it.
@@ -69,7 +89,7 @@ where
     loop {
         let status = match call().await {
             Ok(v) => return Ok(v),
-            Err(s) if is_retryable(s.code()) => s,
+            Err(s) if is_retryable(s.code()) || never_sent(&s) => s,
             Err(s) => return Err(s),
         };
         let left = budget.saturating_sub(start.elapsed());
@@ -130,6 +150,41 @@ mod tests {
         })
         .await;
         assert_eq!(r.ok(), Some(3));
+    }
+
+    /// What tonic answers for a request whose connection went before it was
+    /// written: hyper's own error, from a connection that is no longer driven.
+    async fn unsent_request_status() -> Status {
+        let (io, _peer) = tokio::io::duplex(1024);
+        let (mut send, conn) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(io),
+        )
+        .await
+        .expect("handshake");
+        drop(conn);
+        let req = tonic::codegen::http::Request::new(tonic::body::Body::empty());
+        let err = send.send_request(req).await.expect_err("no connection");
+        Status::from_error(Box::new(err))
+    }
+
+    #[tokio::test]
+    async fn a_request_that_was_never_written_is_sent_again() {
+        let unsent = unsent_request_status().await;
+        assert_eq!(unsent.code(), Code::Cancelled, "{unsent:?}");
+        assert!(never_sent(&unsent), "{unsent:?}");
+        // A cancellation that may have reached the gateway is not retried.
+        assert!(!never_sent(&Status::cancelled("the call was cancelled")));
+
+        let calls = Cell::new(0);
+        let mut first = Some(unsent);
+        let r = with_retries(Backoff::default(), DEFAULT_RETRY_BUDGET, || {
+            calls.set(calls.get() + 1);
+            let outcome = first.take().map_or(Ok(calls.get()), Err);
+            async move { outcome }
+        })
+        .await;
+        assert_eq!(r.ok(), Some(2));
     }
 
     #[tokio::test(start_paused = true)]
