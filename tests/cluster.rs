@@ -569,6 +569,44 @@ async fn a_peer_that_is_down_is_logged_once_not_at_every_raft_call() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_peer_counts_as_unreachable_and_is_logged_once() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let before = cluster.broker_log(1).len();
+    // Frozen (SIGSTOP), broker 3 keeps its connections and answers nothing: each
+    // call to it times out, where a dead one's fail at once.
+    cluster.freeze_broker(3, true);
+    let metric_of_1 = |name: &'static str| {
+        let addr = cluster.broker_metrics[&1].clone();
+        async move { metric(&addr, name).await }
+    };
+    // Well before HTTP/2 keepalive (10 s) would break the connection.
+    wait_until(
+        Duration::from_secs(5),
+        "broker 1 has had ten calls to broker 3 unanswered",
+        || async { metric_of_1("courier_broker_peer_calls_unreachable_total").await >= 10.0 },
+    )
+    .await;
+    assert_eq!(metric_of_1("courier_broker_peers_unreachable").await, 1.0);
+    let log = cluster.broker_log(1).split_off(before);
+    let said = |what: &str| log.lines().filter(|l| l.contains(what)).count();
+    assert_eq!(said("cannot reach peer broker"), 1, "{log}");
+    // The warning may quote the first call's error; openraft's own errors for
+    // the calls after it are not logged.
+    assert!(
+        said("no reply in time") <= 1,
+        "openraft's errors were logged:\n{log}"
+    );
+    cluster.freeze_broker(3, false);
+    wait_until(
+        Duration::from_secs(20),
+        "broker 1 hears from broker 3 again",
+        || async { metric_of_1("courier_broker_peers_unreachable").await == 0.0 },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn brokers_and_the_gateway_stop_cleanly_on_sigterm() {
     let _g = serial().await;
     let mut cluster = Cluster::start(ClusterOpts::default()).await;

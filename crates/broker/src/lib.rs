@@ -147,6 +147,7 @@ pub async fn run(
         .add_service(
             RaftServer::new(RaftService {
                 partitions: partitions.clone(),
+                peers: peers.clone(),
                 shutdown: shutdown.clone(),
             })
             .max_decoding_message_size(MAX_MESSAGE_BYTES)

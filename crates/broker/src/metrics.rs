@@ -101,19 +101,19 @@ pub static RAFT_STREAMS_OPENED: LazyLock<IntCounter> = LazyLock::new(|| {
     )))
 });
 
-/// Peer brokers this broker's Raft calls cannot reach now.
+/// Peer brokers this broker's Raft calls cannot reach now, or that do not answer.
 pub static PEERS_UNREACHABLE: LazyLock<IntGauge> = LazyLock::new(|| {
     register(built(IntGauge::new(
         "courier_broker_peers_unreachable",
-        "Peer brokers this broker's Raft calls cannot reach now",
+        "Peer brokers this broker's Raft calls cannot reach now, or that do not answer them",
     )))
 });
 
-/// Raft calls to peer brokers that could not reach them.
+/// Raft calls to peer brokers that could not reach them or got no answer.
 pub static PEER_CALLS_UNREACHABLE: LazyLock<IntCounter> = LazyLock::new(|| {
     register(built(IntCounter::new(
         "courier_broker_peer_calls_unreachable_total",
-        "Raft calls to peer brokers that could not reach them",
+        "Raft calls to peer brokers that could not reach them or got no answer",
     )))
 });
 

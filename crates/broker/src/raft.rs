@@ -57,15 +57,22 @@ pub struct SnapshotChunkHeader {
 pub struct PeerChannels {
     channels: Arc<DashMap<String, Channel>>,
     links: Arc<DashMap<String, Arc<PeerLink>>>,
-    /// Peers this broker's Raft calls cannot reach, by address: since when, and
-    /// how many calls failed since.
-    down: Arc<DashMap<String, Down>>,
+    /// Peers this broker's Raft calls cannot reach: where, since when, and how
+    /// many calls failed since.
+    down: Arc<DashMap<NodeId, Down>>,
     /// Ends the streams' reader tasks.
     shutdown: CancellationToken,
 }
 
+/// Begins the error of a Raft call a peer did not answer (in time, or before its
+/// stream broke): the servers' log filter drops openraft's errors that carry it,
+/// as it drops its `Unreachable` ones, since [`PeerChannels::unreachable`] says
+/// it once.
+pub const PEER_SILENT: &str = "peer broker did not answer";
+
 /// A peer that cannot be reached (see [`PeerChannels::unreachable`]).
 struct Down {
+    addr: String,
     since: std::time::Instant,
     failed_calls: u64,
 }
@@ -83,19 +90,21 @@ impl PeerChannels {
         }
     }
 
-    /// A Raft call to the peer at `addr` could not reach it. openraft logs an
-    /// error for each such call (the servers' log filter drops those: a few a
-    /// second per partition for as long as a peer is down); this says it once.
+    /// A Raft call to the peer at `addr` could not reach it, or got no answer.
+    /// openraft logs an error for each such call (the servers' log filter drops
+    /// those: a few a second per partition for as long as a peer is down or hung);
+    /// this says it once.
     fn unreachable(&self, addr: &str, peer: NodeId, error: &dyn std::fmt::Display) {
-        let mut down = self.down.entry(addr.to_string()).or_insert_with(|| {
+        let mut down = self.down.entry(peer).or_insert_with(|| {
             crate::metrics::PEERS_UNREACHABLE.inc();
             tracing::warn!(
                 peer,
                 addr,
                 %error,
-                "cannot reach peer broker; Raft keeps trying (quietly until it answers)"
+                "cannot reach peer broker, or it does not answer; Raft keeps trying (quietly until it answers)"
             );
             Down {
+                addr: addr.to_string(),
                 since: std::time::Instant::now(),
                 failed_calls: 0,
             }
@@ -104,16 +113,17 @@ impl PeerChannels {
         crate::metrics::PEER_CALLS_UNREACHABLE.inc();
     }
 
-    /// A Raft call to the peer at `addr` was answered.
-    fn answered(&self, addr: &str, peer: NodeId) {
+    /// `peer` answered a Raft call, or sent one (a broker that leads nothing
+    /// calls no one, and learns that a peer is back from its calls).
+    pub(crate) fn heard_from(&self, peer: NodeId) {
         if self.down.is_empty() {
             return;
         }
-        if let Some((_, down)) = self.down.remove(addr) {
+        if let Some((_, down)) = self.down.remove(&peer) {
             crate::metrics::PEERS_UNREACHABLE.dec();
             tracing::info!(
                 peer,
-                addr,
+                addr = down.addr,
                 unreachable_for = ?down.since.elapsed(),
                 failed_calls = down.failed_calls,
                 "peer broker answers again"
@@ -337,11 +347,9 @@ impl PeerClient {
             .call(self.partition, call, payload, option.hard_ttl())
             .await;
         match &result {
-            Ok(_) => self.peers.answered(&self.addr, self.target),
-            Err(e @ (CallError::Open(_) | CallError::NotSent)) => {
-                self.peers.unreachable(&self.addr, self.target, e)
-            }
-            Err(CallError::TimedOut | CallError::Lost) => {}
+            Ok(_) => self.peers.heard_from(self.target),
+            // Down, or hung (frozen, cut off): it answers nothing either way.
+            Err(e) => self.peers.unreachable(&self.addr, self.target, e),
         }
         match result {
             Ok(reply) if reply.error.is_empty() => self.reply(&reply.payload),
@@ -349,8 +357,10 @@ impl PeerClient {
             Ok(reply) => Err(RPCError::Network(NetworkError::new(
                 &std::io::Error::other(reply.error),
             ))),
+            // Not `Unreachable`: openraft would wait 500 ms before the next try,
+            // where a reply that came late once is no reason to.
             Err(e @ (CallError::TimedOut | CallError::Lost)) => Err(RPCError::Network(
-                NetworkError::new(&std::io::Error::other(e.to_string())),
+                NetworkError::new(&std::io::Error::other(format!("{PEER_SILENT}: {e}"))),
             )),
             // The peer could not be reached: openraft backs off.
             Err(e) => Err(RPCError::Unreachable(Unreachable::new(

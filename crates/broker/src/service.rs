@@ -42,6 +42,8 @@ fn encode<T: serde::Serialize>(v: &T) -> Result<bytes::Bytes, Status> {
 /// Raft traffic from peer brokers.
 pub struct RaftService {
     pub partitions: Partitions,
+    /// Told which peers send Raft traffic (see [`PeerChannels::heard_from`]).
+    pub peers: crate::raft::PeerChannels,
     /// Ends the Raft streams peers hold open, so the server can stop.
     pub shutdown: CancellationToken,
 }
@@ -55,6 +57,7 @@ fn partition(partitions: &Partitions, id: u32) -> Result<&Arc<Partition>, Status
 /// Serves one request of a Raft stream: the encoded openraft reply.
 async fn serve_raft_call(
     partitions: &Partitions,
+    peers: &crate::raft::PeerChannels,
     frame: &RaftFrame,
 ) -> Result<bytes::Bytes, Status> {
     let p = partition(partitions, frame.partition_id)?;
@@ -62,11 +65,17 @@ async fn serve_raft_call(
         Ok(RaftCall::AppendEntries) => {
             let rpc: AppendEntriesRequest<TypeConfig> = codec::decode(&frame.payload)
                 .map_err(|e| malformed("append-entries request", e))?;
+            if let Some(leader) = rpc.vote.leader_id().voted_for() {
+                peers.heard_from(leader);
+            }
             encode(&p.raft.append_entries(rpc).await)
         }
         Ok(RaftCall::Vote) => {
             let rpc: VoteRequest<u64> =
                 codec::decode(&frame.payload).map_err(|e| malformed("vote request", e))?;
+            if let Some(candidate) = rpc.vote.leader_id().voted_for() {
+                peers.heard_from(candidate);
+            }
             encode(&p.raft.vote(rpc).await)
         }
         Ok(RaftCall::Elect) => {
@@ -99,10 +108,11 @@ impl cluster::raft_server::Raft for RaftService {
     ) -> Result<Response<Self::StreamStream>, Status> {
         crate::raft::check_data_format(req.metadata())?;
         let partitions = self.partitions.clone();
+        let peers = self.peers.clone();
         let replies = mux::serve(req.into_inner(), self.shutdown.clone(), move |frame| {
-            let partitions = partitions.clone();
+            let (partitions, peers) = (partitions.clone(), peers.clone());
             async move {
-                let (payload, error) = match serve_raft_call(&partitions, &frame).await {
+                let (payload, error) = match serve_raft_call(&partitions, &peers, &frame).await {
                     Ok(payload) => (payload, String::new()),
                     Err(status) => (bytes::Bytes::new(), status.message().to_string()),
                 };

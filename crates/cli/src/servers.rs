@@ -162,7 +162,8 @@ pub fn init_tracing(default_filter: &str) {
 }
 
 /// Drops openraft's errors and warnings for each Raft call that could not reach a
-/// peer broker: a few a second per partition for as long as the peer is down. The broker says
+/// peer broker, or that it did not answer: a few a second per partition for as
+/// long as the peer is down or hung. The broker says
 /// once that it cannot reach the peer, and again when the peer answers.
 struct QuietUnreachablePeers;
 
@@ -182,13 +183,16 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for QuietUnreachablePe
     }
 }
 
-/// Whether any field of an event names openraft's `Unreachable` error.
+/// Whether any field of an event names openraft's `Unreachable` error, or a call
+/// the peer did not answer.
 struct MentionsUnreachable(bool);
 
 impl tracing::field::Visit for MentionsUnreachable {
     fn record_debug(&mut self, _: &tracing::field::Field, value: &dyn std::fmt::Debug) {
         if !self.0 {
-            self.0 = format!("{value:?}").contains("Unreachable");
+            let text = format!("{value:?}");
+            self.0 =
+                text.contains("Unreachable") || text.contains(courier_broker::raft::PEER_SILENT);
         }
     }
 }
