@@ -606,6 +606,61 @@ async fn a_hung_peer_counts_as_unreachable_and_is_logged_once() {
     .await;
 }
 
+/// The term of partition 1 as broker `id` reports it, with its role there.
+async fn term_at(cluster: &Cluster, id: u64) -> Option<(u64, String)> {
+    let t = cluster.broker_topology(id).await?;
+    let p = t.partitions.into_iter().find(|p| p.partition_id == 1)?;
+    Some((p.term, p.role))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_that_stood_still_does_not_depose_the_leader_when_it_runs_again() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts {
+        partitions: 1,
+        ..ClusterOpts::default()
+    })
+    .await;
+    let leader = cluster.leaders().await[&1];
+    let (term, _) = term_at(&cluster, leader).await.expect("leader's term");
+    let follower = (1..=3).find(|id| *id != leader).expect("a follower");
+
+    // Longer than the follower's leader lease and election timeout (0.9-1.2 s): its
+    // first tick after the pause would start an election at a higher term.
+    cluster.freeze_broker(follower, true);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    cluster.freeze_broker(follower, false);
+
+    let follower_metrics = cluster.broker_metrics[&follower].clone();
+    wait_until(
+        Duration::from_secs(20),
+        "the follower noticed its pause and follows the leader again",
+        || {
+            let (c, m) = (&cluster, follower_metrics.clone());
+            async move {
+                metric(&m, "courier_broker_pauses_total").await >= 1.0
+                    && term_at(c, follower).await.is_some_and(|(t, _)| t >= term)
+            }
+        },
+    )
+    .await;
+    // An election it started would come within its hold (0.3 s) and an election
+    // timeout after it: watch the terms for longer than that.
+    let watch_until = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < watch_until {
+        for id in 1..=3 {
+            if let Some((t, role)) = term_at(&cluster, id).await {
+                assert_eq!(
+                    t, term,
+                    "broker {id} is {role} in term {t}; the leader was elected in {term}"
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(cluster.leaders().await[&1], leader);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn brokers_and_the_gateway_stop_cleanly_on_sigterm() {
     let _g = serial().await;

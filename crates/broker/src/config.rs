@@ -143,6 +143,9 @@ impl BrokerConfig {
                 self.snapshot_threshold(partition),
             ),
             max_in_snapshot_log_to_keep: self.raft.keep_after_snapshot,
+            // Elections are started by the broker (`drive_elections`), which tells
+            // a silent leader from a pause of its own process.
+            enable_elect: false,
             ..Default::default()
         }
     }

@@ -171,6 +171,14 @@ pub async fn run(
         tasks.spawn(initialize(config.clone(), part.clone(), shutdown.clone()));
         tasks.spawn(track_leadership(part.clone(), shutdown.clone()));
     }
+    tasks.spawn(drive_elections(
+        partitions.values().cloned().collect(),
+        (
+            config.raft.election_timeout_min_ms,
+            config.raft.election_timeout_max_ms,
+        ),
+        shutdown.clone(),
+    ));
     tracing::info!(
         node = config.node_id,
         partitions = ?partitions.keys().collect::<Vec<_>>(),
@@ -209,6 +217,89 @@ pub async fn run(
     }
     tracing::info!(node = config.node_id, "broker stopped");
     Ok(())
+}
+
+/// How often the election driver looks at its partitions, and how late it must
+/// wake to tell that this process stood still.
+const ELECTION_TICK: Duration = Duration::from_millis(10);
+const PAUSE_THRESHOLD: Duration = Duration::from_millis(250);
+
+/// Starts elections for this broker's replicas, in place of openraft's timer
+/// (`enable_elect` is off, see [`BrokerConfig::raft_config`]): a follower stands
+/// when it has heard nothing of a leader (no append-entries, no vote request) for
+/// the leader's lease and its election timeout, drawn anew for each election, as
+/// openraft 0.9 would. Unlike openraft's timer, it tells a silent leader from a
+/// pause of this process (frozen by SIGSTOP, a stalled virtual machine, starved of
+/// CPU): after one it counts every replica's silence from the moment it runs again.
+/// openraft's first tick after a pause starts an election at a higher term, and a
+/// healthy leader that sees it steps down: a stall of about half a second on
+/// partitions that never had a problem (openraft 0.9 has no pre-vote).
+async fn drive_elections(
+    parts: Vec<Arc<Partition>>,
+    timeouts: (u64, u64),
+    shutdown: CancellationToken,
+) {
+    use rand::Rng;
+    metrics::PAUSES.inc_by(0);
+    let (min, max) = (timeouts.0, timeouts.1.max(timeouts.0));
+    let draw = || Duration::from_millis(rand::rng().random_range(min..=max));
+    let lease = Duration::from_millis(max);
+    let mut timeout: Vec<Duration> = parts.iter().map(|_| draw()).collect();
+    let mut tick = tokio::time::interval(ELECTION_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = std::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let now = std::time::Instant::now();
+        let late = now.duration_since(last).saturating_sub(ELECTION_TICK);
+        last = now;
+        if late >= PAUSE_THRESHOLD {
+            for p in &parts {
+                p.heard_from_leader_at(now);
+            }
+            metrics::PAUSES.inc();
+            tracing::warn!(
+                stood_still = ?late,
+                "this broker stood still (frozen, or starved of CPU); its replicas give their leaders a full election timeout from now"
+            );
+            continue;
+        }
+        for (i, p) in parts.iter().enumerate() {
+            let (voters, candidate, committed) = {
+                let m = p.raft.metrics();
+                let m = m.borrow();
+                if m.state == openraft::ServerState::Leader {
+                    continue;
+                }
+                let membership = m.membership_config.membership();
+                if !membership.voter_ids().any(|v| v == p.node_id) {
+                    continue;
+                }
+                (
+                    membership.voter_ids().count(),
+                    m.state == openraft::ServerState::Candidate,
+                    m.vote.is_committed(),
+                )
+            };
+            let wait = match (voters, candidate, committed) {
+                // The only voter: at once, and again only if that did not end.
+                (1, false, _) => Duration::ZERO,
+                (_, _, true) => lease + timeout[i],
+                _ => timeout[i],
+            };
+            if now.duration_since(p.last_heard_from_leader()) <= wait {
+                continue;
+            }
+            p.heard_from_leader_at(now);
+            timeout[i] = draw();
+            if let Err(e) = p.raft.trigger().elect().await {
+                tracing::warn!(partition = p.id.0, error = %e, "could not start an election");
+            }
+        }
+    }
 }
 
 /// Hands every partition this broker leads to a follower that has its whole log,

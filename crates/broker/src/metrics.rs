@@ -101,6 +101,14 @@ pub static RAFT_STREAMS_OPENED: LazyLock<IntCounter> = LazyLock::new(|| {
     )))
 });
 
+/// Times this broker noticed it had stood still (see `drive_elections`).
+pub static PAUSES: LazyLock<IntCounter> = LazyLock::new(|| {
+    register(built(IntCounter::new(
+        "courier_broker_pauses_total",
+        "Times this broker noticed it had stood still (frozen, starved of CPU) and gave its leaders a new election timeout",
+    )))
+});
+
 /// Peer brokers this broker's Raft calls cannot reach now, or that do not answer.
 pub static PEERS_UNREACHABLE: LazyLock<IntGauge> = LazyLock::new(|| {
     register(built(IntGauge::new(

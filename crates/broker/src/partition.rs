@@ -198,6 +198,9 @@ pub struct Partition {
     leading_since: Mutex<Option<tokio::time::Instant>>,
     /// Set once this broker was asked to stop: it takes no partition over then.
     stopping: AtomicBool,
+    /// When this replica last heard from a leader or a candidate (see
+    /// `drive_elections` in the crate root).
+    leader_heard: Mutex<std::time::Instant>,
     shutdown: CancellationToken,
 }
 
@@ -244,6 +247,7 @@ impl Partition {
             gate_idle: Notify::new(),
             leading_since: Mutex::new(None),
             stopping: AtomicBool::new(false),
+            leader_heard: Mutex::new(std::time::Instant::now()),
             shutdown: shutdown.clone(),
         });
         let span = tracing::info_span!("partition", partition = id.0, node = node_id);
@@ -252,6 +256,23 @@ impl Partition {
         tasks.spawn(watch_majority(p.clone(), shutdown.clone()).instrument(span.clone()));
         tasks.spawn(run_timers(p.clone(), shutdown).instrument(span));
         p
+    }
+
+    /// A leader's append-entries or a candidate's vote request reached this
+    /// replica at `at`: no election before an election timeout from then.
+    pub fn heard_from_leader_at(&self, at: std::time::Instant) {
+        let mut heard = self
+            .leader_heard
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *heard = (*heard).max(at);
+    }
+
+    pub fn last_heard_from_leader(&self) -> std::time::Instant {
+        *self
+            .leader_heard
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Whether this replica leads but has lost its majority: see

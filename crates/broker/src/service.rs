@@ -68,6 +68,7 @@ async fn serve_raft_call(
             if let Some(leader) = rpc.vote.leader_id().voted_for() {
                 peers.heard_from(leader);
             }
+            p.heard_from_leader_at(std::time::Instant::now());
             encode(&p.raft.append_entries(rpc).await)
         }
         Ok(RaftCall::Vote) => {
@@ -76,6 +77,7 @@ async fn serve_raft_call(
             if let Some(candidate) = rpc.vote.leader_id().voted_for() {
                 peers.heard_from(candidate);
             }
+            p.heard_from_leader_at(std::time::Instant::now());
             encode(&p.raft.vote(rpc).await)
         }
         Ok(RaftCall::Elect) => {
