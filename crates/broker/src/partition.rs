@@ -23,7 +23,7 @@ use futures::StreamExt;
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::ServerState;
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{broadcast, mpsc, oneshot, Notify};
@@ -200,7 +200,9 @@ pub struct Partition {
     stopping: AtomicBool,
     /// When this replica last heard from a leader or a candidate (see
     /// `drive_elections` in the crate root).
-    leader_heard: Mutex<std::time::Instant>,
+    /// In µs since `started`; an atomic, since every append-entries sets it.
+    leader_heard_us: AtomicU64,
+    started: std::time::Instant,
     shutdown: CancellationToken,
 }
 
@@ -247,7 +249,8 @@ impl Partition {
             gate_idle: Notify::new(),
             leading_since: Mutex::new(None),
             stopping: AtomicBool::new(false),
-            leader_heard: Mutex::new(std::time::Instant::now()),
+            leader_heard_us: AtomicU64::new(0),
+            started: std::time::Instant::now(),
             shutdown: shutdown.clone(),
         });
         let span = tracing::info_span!("partition", partition = id.0, node = node_id);
@@ -261,18 +264,13 @@ impl Partition {
     /// A leader's append-entries or a candidate's vote request reached this
     /// replica at `at`: no election before an election timeout from then.
     pub fn heard_from_leader_at(&self, at: std::time::Instant) {
-        let mut heard = self
-            .leader_heard
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *heard = (*heard).max(at);
+        let us = at.saturating_duration_since(self.started).as_micros();
+        self.leader_heard_us
+            .fetch_max(u64::try_from(us).unwrap_or(u64::MAX), Ordering::Relaxed);
     }
 
     pub fn last_heard_from_leader(&self) -> std::time::Instant {
-        *self
-            .leader_heard
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.started + Duration::from_micros(self.leader_heard_us.load(Ordering::Relaxed))
     }
 
     /// Whether this replica leads but has lost its majority: see

@@ -20,6 +20,7 @@ use openraft::raft::{
 };
 use openraft::{BasicNode, SnapshotMeta, Vote};
 use serde::{Deserialize, Serialize};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -60,6 +61,9 @@ pub struct PeerChannels {
     /// Peers this broker's Raft calls cannot reach: where, since when, and how
     /// many calls failed since.
     down: Arc<DashMap<NodeId, Down>>,
+    /// How many are in `down`: every Raft call and append-entries looks, and
+    /// almost always finds none.
+    down_count: Arc<std::sync::atomic::AtomicUsize>,
     /// Ends the streams' reader tasks.
     shutdown: CancellationToken,
 }
@@ -86,6 +90,7 @@ impl PeerChannels {
             channels: Arc::default(),
             links: Arc::default(),
             down: Arc::default(),
+            down_count: Arc::default(),
             shutdown,
         }
     }
@@ -96,6 +101,7 @@ impl PeerChannels {
     /// this says it once.
     fn unreachable(&self, addr: &str, peer: NodeId, error: &dyn std::fmt::Display) {
         let mut down = self.down.entry(peer).or_insert_with(|| {
+            self.down_count.fetch_add(1, Ordering::Relaxed);
             crate::metrics::PEERS_UNREACHABLE.inc();
             tracing::warn!(
                 peer,
@@ -116,10 +122,11 @@ impl PeerChannels {
     /// `peer` answered a Raft call, or sent one (a broker that leads nothing
     /// calls no one, and learns that a peer is back from its calls).
     pub(crate) fn heard_from(&self, peer: NodeId) {
-        if self.down.is_empty() {
+        if self.down_count.load(Ordering::Relaxed) == 0 {
             return;
         }
         if let Some((_, down)) = self.down.remove(&peer) {
+            self.down_count.fetch_sub(1, Ordering::Relaxed);
             crate::metrics::PEERS_UNREACHABLE.dec();
             tracing::info!(
                 peer,
