@@ -279,6 +279,7 @@ async fn the_cli_worker_runs_a_command_per_job() {
 case "$v" in
   *'"fail"'*) echo "cannot do $COURIER_JOB_KEY" >&2; exit 3 ;;
   *'"garbage"'*) echo "not json" ;;
+  *'"slow"'*) sleep 2; echo '{}' ;;
   *) echo "$v" >> "$SEEN"; printf '{"input":%s}' "$v" ;;
 esac"#;
     let mut worker = std::process::Command::new(courier_bin())
@@ -335,6 +336,24 @@ esac"#;
         let j = c.get_job(key).await.unwrap();
         assert_eq!((j.retries, j.error_message.as_str()), (0, message.as_str()));
     }
+    // Completed by someone else while its handler runs: the worker's own completion
+    // is refused, and the worker says so instead of reporting it completed.
+    let slow = c
+        .create_job(NewJob::new("w-cli").variables(r#"{"slow":true}"#))
+        .await
+        .unwrap()
+        .key;
+    wait_until(
+        Duration::from_secs(10),
+        "the slow job is activated",
+        || async {
+            c.get_job(slow)
+                .await
+                .is_ok_and(|j| j.state == JobState::Activated as i32)
+        },
+    )
+    .await;
+    c.complete_job(slow, "{}").await.unwrap();
     let seen_text = std::fs::read_to_string(&seen).unwrap();
     for i in 0..10 {
         assert!(seen_text.contains(&format!("{{\"i\":{i}}}")), "{seen_text}");
@@ -370,7 +389,7 @@ esac"#;
                 .unwrap_or_default()
                 .lines()
                 .count()
-                >= 37
+                >= 38
         },
     )
     .await;
@@ -397,9 +416,21 @@ esac"#;
         .collect();
     let completed: Vec<_> = lines
         .iter()
-        .filter(|l| l["outcome"] == "completed")
+        .filter(|l| l["outcome"] == "completed" && l.get("recorded").is_none())
         .collect();
     assert_eq!(completed.len(), 35);
+    assert!(!completed.iter().any(|l| l["key"] == slow), "{lines:?}");
+    let refused: Vec<_> = lines.iter().filter(|l| l["key"] == slow).collect();
+    assert_eq!(refused.len(), 1, "{lines:?}");
+    assert_eq!(
+        (&refused[0]["outcome"], &refused[0]["recorded"]),
+        (&serde_json::json!("completed"), &serde_json::json!(false)),
+        "{lines:?}"
+    );
+    assert!(
+        refused[0]["error"].as_str().unwrap().contains("NOT_FOUND"),
+        "{lines:?}"
+    );
     let first = completed
         .iter()
         .find(|l| ok.contains(&l["key"].as_i64().unwrap()))

@@ -64,12 +64,11 @@ pub async fn worker(opts: ClientOpts, args: WorkerArgs) -> anyhow::Result<()> {
     let command = Arc::new(args.handler);
     let worker = JobWorker::builder(opts.client()?, &args.job_type, move |job| {
         let command = Arc::clone(&command);
-        async move {
-            let outcome = run_handler(&command, &job).await;
-            print_outcome(json, job.key, &outcome);
-            Ok::<_, Infallible>(outcome)
-        }
+        async move { Ok::<_, Infallible>(run_handler(&command, &job).await) }
     })
+    // A job's line is printed once the gateway has answered its outcome, so what
+    // the worker prints is what the broker recorded.
+    .on_reported(move |key, outcome, recorded| print_outcome(json, key, outcome, recorded))
     .max_jobs_active(args.max_jobs_active)
     .timeout(args.timeout)
     .name(args.name)
@@ -244,8 +243,30 @@ fn tail(s: &str, max: usize) -> &str {
     &s[start..]
 }
 
-/// One line per job on stdout: what the handler decided.
-fn print_outcome(json: bool, key: i64, outcome: &JobOutcome) {
+/// One line per job on stdout: what the handler decided, once the broker recorded
+/// it, or why it was not recorded.
+fn print_outcome(
+    json: bool,
+    key: i64,
+    outcome: &JobOutcome,
+    recorded: Result<(), &courier_client::ClientError>,
+) {
+    if let Err(e) = recorded {
+        let what = match outcome {
+            JobOutcome::Complete { .. } => "completed",
+            JobOutcome::Fail { .. } => "failed",
+            JobOutcome::ThrowError { .. } => "errorThrown",
+        };
+        if json {
+            report!(
+                "{}",
+                json!({"key": key, "outcome": what, "recorded": false, "error": e.to_string()})
+            );
+        } else {
+            report!("job {key} {what} by its handler, not recorded: {e}");
+        }
+        return;
+    }
     match outcome {
         JobOutcome::Complete { variables } => {
             if json {

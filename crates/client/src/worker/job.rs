@@ -81,6 +81,8 @@ fn retries_after_failure(asked: Option<i32>, job_retries: i32) -> i32 {
 /// beyond the client's budget: the job runs again after its timeout anyway.
 async fn report(ctx: &Ctx, key: i64, job_retries: i32, outcome: JobOutcome) {
     let c = &ctx.client;
+    // Kept for the caller's hook only: the command takes the outcome's text.
+    let kept = ctx.reported.as_ref().map(|_| outcome.clone());
     let (result, count): (Result<(), ClientError>, fn(&WorkerMetrics)) = match outcome {
         JobOutcome::Complete { variables } => (
             c.complete_job(key, variables).await,
@@ -102,12 +104,15 @@ async fn report(ctx: &Ctx, key: i64, job_retries: i32, outcome: JobOutcome) {
             WorkerMetrics::error_thrown,
         ),
     };
-    match result {
+    match &result {
         Ok(()) => count(&ctx.metrics),
         Err(e) => {
             ctx.metrics.command_failed();
             tracing::warn!(job_key = key, error = %e, "{}", refused_outcome(e.code()));
         }
+    }
+    if let (Some(reported), Some(outcome)) = (&ctx.reported, kept) {
+        reported(key, &outcome, result.as_ref().map(|_| ()));
     }
 }
 

@@ -129,6 +129,10 @@ impl JobOutcome {
     }
 }
 
+/// Called once the gateway has answered a job's outcome: the job's key, the
+/// outcome, and whether it was recorded.
+type Reported = Arc<dyn Fn(i64, &JobOutcome, Result<(), &ClientError>) + Send + Sync>;
+
 /// The handler with its error type erased to its message.
 type HandlerFuture = Pin<Box<dyn Future<Output = Result<JobOutcome, String>> + Send>>;
 type Handler = Arc<dyn Fn(ActivatedJob) -> HandlerFuture + Send + Sync>;
@@ -152,6 +156,7 @@ pub struct JobWorkerBuilder {
     client: Client,
     config: Config,
     handler: Handler,
+    reported: Option<Reported>,
 }
 
 impl JobWorkerBuilder {
@@ -201,6 +206,18 @@ impl JobWorkerBuilder {
         self
     }
 
+    /// Calls `reported` with each job's key and outcome once the gateway has
+    /// answered the outcome: `Ok` when it was recorded, the error when it was
+    /// refused (the job was gone or no longer activated) or could not be sent
+    /// within the retry budget. Jobs given back are not reported.
+    pub fn on_reported(
+        mut self,
+        reported: impl Fn(i64, &JobOutcome, Result<(), &ClientError>) + Send + Sync + 'static,
+    ) -> Self {
+        self.reported = Some(Arc::new(reported));
+        self
+    }
+
     /// Starts the worker on the current Tokio runtime. Refuses (`INVALID_ARGUMENT`)
     /// a blank job type or worker name, a max jobs active of 0, a timeout under
     /// 1 ms and an invalid tenant id, which the gateway would refuse on every poll;
@@ -238,6 +255,7 @@ impl JobWorkerBuilder {
             capacity: capacity::Capacity::new(self.config.max_jobs_active as usize),
             config: self.config,
             handler: self.handler,
+            reported: self.reported,
             metrics: metrics.clone(),
             tracker: TaskTracker::new(),
             stop: stop.clone(),
@@ -347,6 +365,7 @@ impl JobWorker {
                 grace: Duration::from_secs(10),
             },
             handler,
+            reported: None,
         }
     }
 
@@ -405,6 +424,8 @@ struct Ctx {
     give_back: Client,
     config: Config,
     handler: Handler,
+    /// Told of each outcome once it is answered.
+    reported: Option<Reported>,
     capacity: capacity::Capacity,
     metrics: WorkerMetrics,
     /// Every job task (handler, report, give-back), so shutdown can wait for them.
