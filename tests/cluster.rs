@@ -1310,3 +1310,95 @@ async fn unavailable_at_once<T: std::fmt::Debug>(
     );
     e
 }
+
+/// After a broker fails, the partitions it led stay with the brokers that took them
+/// over only until it is back: once it has been back and caught up for the
+/// `--rebalance-after` time, they are handed back to it, so leaders spread out
+/// again instead of piling up on the survivors. Jobs created throughout, the
+/// hand-back included, are all completed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_go_back_to_their_preferred_leader_once_it_is_back() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts {
+        rebalance_after: Some("1s"),
+        ..ClusterOpts::default()
+    })
+    .await;
+    let c = cluster.client();
+    // Partition N prefers broker N (placement takes turns).
+    let preferred: std::collections::BTreeMap<u32, u64> = [(1, 1), (2, 2), (3, 3)].into();
+    wait_until(
+        Duration::from_secs(20),
+        "every partition is led by its preferred broker",
+        || async { cluster.leaders().await == preferred },
+    )
+    .await;
+    let worker = courier_client::JobWorker::builder(c.clone(), "rebalance", |_job| async {
+        Ok::<_, std::convert::Infallible>(courier_client::JobOutcome::complete())
+    })
+    .spawn()
+    .expect("worker");
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let (c, stop) = (c.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut keys = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                keys.push(
+                    c.create_job(NewJob::new("rebalance"))
+                        .await
+                        .expect("create")
+                        .key,
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            keys
+        })
+    };
+
+    cluster.kill_broker(1);
+    wait_until(
+        Duration::from_secs(10),
+        "partition 1 is led by another broker",
+        || async { cluster.leaders().await.get(&1).is_some_and(|&l| l != 1) },
+    )
+    .await;
+    cluster.start_broker(1);
+    let back = Instant::now();
+    wait_until(
+        Duration::from_secs(20),
+        "partition 1 is handed back to broker 1",
+        || async { cluster.leaders().await == preferred },
+    )
+    .await;
+    // Not before its --rebalance-after (1 s) of being back and caught up.
+    assert!(
+        back.elapsed() >= Duration::from_secs(1),
+        "{:?}",
+        back.elapsed()
+    );
+    assert!(
+        cluster
+            .broker_metric("courier_broker_leadership_rebalances_total")
+            .await
+            >= 1.0
+    );
+    cluster.wait_for_leaders(Duration::from_secs(10)).await;
+    // Writes go on after the hand-back, through the gateway.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let keys = producer.await.expect("producer");
+    assert!(keys.len() > 20, "{} jobs created", keys.len());
+    wait_until(
+        Duration::from_secs(20),
+        "every job is completed",
+        || async { common::all_gone(&c, &keys).await },
+    )
+    .await;
+    worker.shutdown().await;
+    let log = cluster.broker_log(2) + &cluster.broker_log(3);
+    assert!(
+        log.contains("handing the partition back to its preferred leader"),
+        "{log}"
+    );
+}

@@ -69,6 +69,8 @@ pub struct ClusterOpts {
     pub worker_threads: Option<u16>,
     /// `--lost-gateway-grace` of every broker (None: its default).
     pub lost_gateway_grace: Option<&'static str>,
+    /// `--rebalance-after` of every broker (None: its default).
+    pub rebalance_after: Option<&'static str>,
 }
 
 impl Default for ClusterOpts {
@@ -83,6 +85,7 @@ impl Default for ClusterOpts {
             gateway_no_push: false,
             worker_threads: None,
             lost_gateway_grace: None,
+            rebalance_after: None,
         }
     }
 }
@@ -288,6 +291,9 @@ impl Cluster {
         args.extend(self.worker_threads_args());
         if let Some(grace) = self.opts.lost_gateway_grace {
             args.extend(["--lost-gateway-grace".to_string(), grace.to_string()]);
+        }
+        if let Some(after) = self.opts.rebalance_after {
+            args.extend(["--rebalance-after".to_string(), after.to_string()]);
         }
         let log = self.dir.path().join(format!("broker-{id}.log"));
         self.brokers.insert(id, Proc::spawn(&args, log));

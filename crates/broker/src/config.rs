@@ -26,10 +26,19 @@ pub struct BrokerConfig {
     /// asked to stop (SIGTERM, Ctrl-C), so they are back in milliseconds rather than
     /// after an election. Off where every broker stops at once (`courier dev`).
     pub hand_off_leadership: bool,
+    /// How long a partition's preferred replica (the first of its placement, see
+    /// [`BrokerConfig::replicas`]) must have been reachable and caught up before
+    /// the broker leading the partition in its place hands the leadership back to
+    /// it, so that leaders spread out again after a failure or a rolling restart.
+    /// `None`: leadership stays where elections put it.
+    pub rebalance_after: Option<Duration>,
 }
 
 /// The default of [`BrokerConfig::lost_gateway_grace`].
 pub const DEFAULT_LOST_GATEWAY_GRACE: Duration = Duration::from_secs(10);
+
+/// The default of [`BrokerConfig::rebalance_after`].
+pub const DEFAULT_REBALANCE_AFTER: Duration = Duration::from_secs(10);
 
 /// Raft timing and log compaction.
 #[derive(Clone, Debug)]
@@ -98,6 +107,13 @@ impl BrokerConfig {
     }
 
     /// The brokers holding `partition`, round-robin over brokers ordered by id.
+    /// The replica that should lead `partition` when it can: the first of its
+    /// placement. Placement starts each partition on the next broker, so the
+    /// preferred leaders spread evenly over the brokers.
+    pub fn preferred_leader(&self, partition: u32) -> Option<NodeId> {
+        self.replicas(partition).first().copied()
+    }
+
     pub fn replicas(&self, partition: u32) -> Vec<NodeId> {
         let ids: Vec<NodeId> = self.brokers.keys().copied().collect();
         if ids.is_empty() {
@@ -168,6 +184,7 @@ mod tests {
             raft: RaftTuning::default(),
             lost_gateway_grace: Some(DEFAULT_LOST_GATEWAY_GRACE),
             hand_off_leadership: true,
+            rebalance_after: Some(DEFAULT_REBALANCE_AFTER),
         }
     }
 
@@ -177,6 +194,8 @@ mod tests {
         assert_eq!(c.replicas(1), vec![1, 2, 3]);
         assert_eq!(c.replicas(2), vec![2, 3, 1]);
         assert_eq!(c.replicas(3), vec![3, 1, 2]);
+        let preferred: Vec<_> = (1..=6).map(|p| c.preferred_leader(p)).collect();
+        assert_eq!(preferred, [1, 2, 3, 1, 2, 3].map(Some));
         let c = config(3, 1);
         assert_eq!(c.replicas(1), vec![1]);
         assert_eq!(c.replicas(2), vec![2]);

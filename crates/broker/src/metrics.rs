@@ -125,25 +125,39 @@ pub static PEER_CALLS_UNREACHABLE: LazyLock<IntCounter> = LazyLock::new(|| {
     )))
 });
 
-/// Partitions a leader that was asked to stop tried to hand to a follower, by
-/// outcome: handed_over, no_follower_caught_up, refused (the follower would not
-/// stand), not_taken_over (no new leader in time).
+/// Partitions a leader tried to hand to a follower (it was asked to stop, or
+/// handed the partition back to its preferred leader), by outcome: handed_over,
+/// no_follower_caught_up, refused (the follower would not stand), not_taken_over
+/// (no new leader in time).
 pub static HANDOFFS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     register(built(IntCounterVec::new(
         Opts::new(
             "courier_broker_leadership_handoffs_total",
-            "Partitions a stopping leader tried to hand to a follower, by outcome",
+            "Partitions a leader tried to hand to a follower (stopping, or rebalancing), by outcome",
         ),
         &["outcome"],
     )))
 });
 
-/// Requests of a stopping leader to stand for election, by outcome: started, refused.
+/// Partitions this broker led in place of their preferred leader and tried to hand
+/// back to it once it was back, by outcome: handed_over, kept (it leads on).
+pub static REBALANCES: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    register(built(IntCounterVec::new(
+        Opts::new(
+            "courier_broker_leadership_rebalances_total",
+            "Partitions handed back to their preferred leader, by outcome",
+        ),
+        &["outcome"],
+    )))
+});
+
+/// Requests of a leader handing a partition over to stand for election, by
+/// outcome: started, refused.
 pub static ELECTIONS_ASKED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     register(built(IntCounterVec::new(
         Opts::new(
             "courier_broker_elections_asked_total",
-            "Requests of a stopping leader to stand for election, by outcome",
+            "Requests of a leader handing a partition over to stand for election, by outcome",
         ),
         &["outcome"],
     )))

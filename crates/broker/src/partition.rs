@@ -285,6 +285,11 @@ impl Partition {
         self.stopping.store(true, Ordering::Relaxed);
     }
 
+    /// Whether this broker is stopping (see [`Partition::begin_stopping`]).
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::Relaxed)
+    }
+
     /// Keeps track of since when this replica leads, and tells the gateways when it
     /// begins to; called on every change of role or leader.
     pub fn note_role(&self) {
@@ -355,10 +360,11 @@ impl Partition {
         }
     }
 
-    /// Hands the leadership of this partition to a follower before this broker
-    /// stops (Raft's leadership transfer), so that the partition is back in
+    /// Hands the leadership of this partition to a follower (Raft's leadership
+    /// transfer): before this broker stops, so that the partition is back in
     /// milliseconds instead of after an election timeout, which in openraft 0.9 is
-    /// the leader lease and an election timeout together.
+    /// the leader lease and an election timeout together; or to the partition's
+    /// preferred leader once it is back (see `rebalance_leaders`).
     ///
     /// The proposer stops handing Raft new entries (commands wait in its queue);
     /// once every entry in flight is applied, the followers that have the whole log
@@ -368,9 +374,11 @@ impl Partition {
     /// leads with every entry. Then the proposer goes on: Raft refuses what waited,
     /// and the gateways send it to the new leader.
     ///
+    /// `only`: ask that follower alone (a rebalance to the preferred leader).
+    ///
     /// Returns the new leader; `None` when this replica does not lead, has no
     /// follower, none would take over, or none did within [`HAND_OFF_WAIT`] twice.
-    pub async fn hand_off<F, Fut>(&self, ask: F) -> Option<NodeId>
+    pub async fn hand_off<F, Fut>(&self, ask: F, only: Option<NodeId>) -> Option<NodeId>
     where
         F: Fn(NodeId, u64) -> Fut,
         Fut: std::future::Future<Output = Result<(), String>>,
@@ -396,12 +404,12 @@ impl Partition {
             tokio::time::sleep_until(since + lease + LEASE_MARGIN).await;
         }
         self.set_gate(true);
-        let new_leader = self.hand_off_closed(ask).await;
+        let new_leader = self.hand_off_closed(ask, only).await;
         self.set_gate(false);
         new_leader
     }
 
-    async fn hand_off_closed<F, Fut>(&self, ask: F) -> Option<NodeId>
+    async fn hand_off_closed<F, Fut>(&self, ask: F, only: Option<NodeId>) -> Option<NodeId>
     where
         F: Fn(NodeId, u64) -> Fut,
         Fut: std::future::Future<Output = Result<(), String>>,
@@ -422,7 +430,9 @@ impl Partition {
                     .iter()
                     .flatten()
                     .filter(|(id, matched)| {
-                        **id != self.node_id && matched.map(|l| l.index) == last
+                        **id != self.node_id
+                            && only.is_none_or(|o| o == **id)
+                            && matched.map(|l| l.index) == last
                     })
                     .map(|(id, _)| *id)
                     .collect();
@@ -438,11 +448,19 @@ impl Partition {
                 changed = watch.changed() => if changed.is_err() { return None },
                 _ = self.gate_idle.notified() => {}
                 _ = tokio::time::sleep_until(until) => {
-                    tracing::warn!(
-                        "no follower had the whole log within {} ms (all down, or behind): \
-                         the partition waits for an election",
-                        HAND_OFF_WAIT.as_millis()
-                    );
+                    if only.is_some() {
+                        tracing::warn!(
+                            "the preferred leader did not have the whole log within {} ms: \
+                             this broker leads on",
+                            HAND_OFF_WAIT.as_millis()
+                        );
+                    } else {
+                        tracing::warn!(
+                            "no follower had the whole log within {} ms (all down, or behind): \
+                             the partition waits for an election",
+                            HAND_OFF_WAIT.as_millis()
+                        );
+                    }
                     metrics::HANDOFFS
                         .with_label_values(&["no_follower_caught_up"])
                         .inc();
@@ -464,7 +482,15 @@ impl Partition {
             }
         }
         let Some(to) = to else {
-            tracing::warn!("no follower would take the partition over: it waits for an election");
+            if only.is_some() {
+                tracing::warn!(
+                    "the preferred leader would not take the partition over: this broker leads on"
+                );
+            } else {
+                tracing::warn!(
+                    "no follower would take the partition over: it waits for an election"
+                );
+            }
             metrics::HANDOFFS.with_label_values(&["refused"]).inc();
             return None;
         };
@@ -520,7 +546,7 @@ impl Partition {
         tracing::info!(
             leader,
             term,
-            "standing for election: the leader is stopping"
+            "standing for election: the leader hands the partition over (it is stopping, or this broker is the partition's preferred leader)"
         );
         metrics::ELECTIONS_ASKED
             .with_label_values(&["started"])

@@ -119,6 +119,11 @@ impl PeerChannels {
         crate::metrics::PEER_CALLS_UNREACHABLE.inc();
     }
 
+    /// Whether this broker's Raft calls to `peer` fail since it last heard from it.
+    pub(crate) fn is_down(&self, peer: NodeId) -> bool {
+        self.down_count.load(Ordering::Relaxed) > 0 && self.down.contains_key(&peer)
+    }
+
     /// `peer` answered a Raft call, or sent one (a broker that leads nothing
     /// calls no one, and learns that a peer is back from its calls).
     pub(crate) fn heard_from(&self, peer: NodeId) {

@@ -49,6 +49,7 @@ async fn start_broker() -> (
         raft: RaftTuning::default(),
         lost_gateway_grace: Some(courier_broker::config::DEFAULT_LOST_GATEWAY_GRACE),
         hand_off_leadership: true,
+        rebalance_after: None,
     };
     let shutdown = CancellationToken::new();
     let broker = tokio::spawn(courier_broker::run(config, listener, shutdown.clone()));

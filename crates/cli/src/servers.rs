@@ -109,7 +109,21 @@ pub struct BrokerArgs {
     #[command(flatten)]
     lost_gateway: LostGateway,
     #[command(flatten)]
+    rebalance: Rebalance,
+    #[command(flatten)]
     pub runtime: ServerRuntime,
+}
+
+/// Where partition leaders go once the brokers that should lead them are back.
+#[derive(clap::Args)]
+struct Rebalance {
+    /// How long a partition's preferred leader (brokers take turns: partition 1
+    /// prefers broker 1, partition 2 broker 2, ...) must have been back and caught
+    /// up before the broker leading in its place hands the partition back, so
+    /// leaders spread out again after a failure or a rolling restart. "off": they
+    /// stay where elections put them.
+    #[arg(long, default_value = "10s", value_parser = parse_grace)]
+    rebalance_after: Grace,
 }
 
 #[derive(clap::Args)]
@@ -305,6 +319,7 @@ pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
                 lost_gateway_grace: a.lost_gateway.lost_gateway_grace.0,
                 // Every broker of dev stops at once: there is no one to hand to.
                 hand_off_leadership: false,
+                rebalance_after: Some(courier_broker::config::DEFAULT_REBALANCE_AFTER),
             };
             (config, listener)
         })
@@ -419,6 +434,7 @@ pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
         },
         lost_gateway_grace: a.lost_gateway.lost_gateway_grace.0,
         hand_off_leadership: true,
+        rebalance_after: a.rebalance.rebalance_after.0,
     };
     courier_broker::run(config, listener, shutdown)
         .await
