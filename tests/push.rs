@@ -563,13 +563,7 @@ async fn a_killed_gateway_is_dropped_at_once_and_workers_move_to_another() {
     .await;
     // The gateway hands a job to its client before it acks the push: kill it only
     // once every push is answered, or an ack still on its way is lost with it.
-    wait_until(Duration::from_secs(10), "first pushes acked", || async {
-        cluster
-            .broker_metric("courier_broker_push_attempts_total{outcome=\"accepted\"}")
-            .await
-            >= 20.0
-    })
-    .await;
+    wait_pushes_accepted(&cluster, 20.0, "first pushes acked").await;
 
     cluster.kill_gateway(0);
     let killed = Instant::now();
@@ -646,13 +640,7 @@ async fn jobs_pushed_through_a_gateway_that_died_reach_workers_elsewhere() {
     }
     let first = next(&mut holding).await;
     assert!(keys.contains(&first.key));
-    wait_until(Duration::from_secs(10), "every job pushed", || async {
-        cluster
-            .broker_metric("courier_broker_push_attempts_total{outcome=\"accepted\"}")
-            .await
-            >= 48.0
-    })
-    .await;
+    wait_pushes_accepted(&cluster, 48.0, "every job pushed").await;
     // And a poller on the same gateway that never finishes what it got.
     let poller = cluster.client_of(0);
     for _ in 0..5 {
@@ -822,12 +810,23 @@ async fn jobs_handed_out_before_a_whole_cluster_restarted_run_again_after_the_gr
     assert_eq!(got, pushed);
 }
 
-/// With `--lost-gateway-grace off`, the jobs a gateway that died had handed to its
-/// client wait for their activation timeout, as in Zeebe (their worker may still be
-/// running them), and only then run again through another gateway.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_a_lost_gateway_grace_a_dead_gateways_jobs_wait_for_their_timeout() {
-    let _g = serial().await;
+/// Waits (10 s at most) until the brokers have had `n` pushes accepted.
+async fn wait_pushes_accepted(cluster: &Cluster, n: f64, what: &str) {
+    wait_until(Duration::from_secs(10), what, || async {
+        cluster
+            .broker_metric("courier_broker_push_attempts_total{outcome=\"accepted\"}")
+            .await
+            >= n
+    })
+    .await;
+}
+
+/// A cluster with `--lost-gateway-grace off` and a second gateway; a client of that
+/// gateway (its index), and a stream of `job_type` open on the first one.
+async fn without_grace_two_gateways(
+    job_type: &str,
+    timeout: Duration,
+) -> (Cluster, usize, Client, tonic::Streaming<ActivatedJob>) {
     let mut cluster = Cluster::start(ClusterOpts {
         lost_gateway_grace: Some("off"),
         ..ClusterOpts::default()
@@ -835,10 +834,20 @@ async fn without_a_lost_gateway_grace_a_dead_gateways_jobs_wait_for_their_timeou
     .await;
     let other = cluster.add_gateway();
     let c = cluster.client_of(other);
+    let holding = open_stream(&cluster.gateway_addr, job_type, timeout).await;
+    wait_registered(&cluster, 3.0).await;
+    (cluster, other, c, holding)
+}
+
+/// With `--lost-gateway-grace off`, the jobs a gateway that died had handed to its
+/// client wait for their activation timeout, as in Zeebe (their worker may still be
+/// running them), and only then run again through another gateway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_lost_gateway_grace_a_dead_gateways_jobs_wait_for_their_timeout() {
+    let _g = serial().await;
     // Longer than the default grace (10 s) and the time to the kill together.
     let timeout = Duration::from_secs(16);
-    let mut holding = open_stream(&cluster.gateway_addr, "kept", timeout).await;
-    wait_registered(&cluster, 3.0).await;
+    let (mut cluster, other, c, mut holding) = without_grace_two_gateways("kept", timeout).await;
     // Each job's activation, and so its deadline, comes after this.
     let before = Instant::now();
     let mut keys = Vec::new();
@@ -1442,4 +1451,58 @@ async fn next_push(
             return p;
         }
     }
+}
+
+/// A gateway stopped gracefully (SIGTERM) gives back the jobs its clients had not
+/// received (those waiting in its spare room or a client's buffer) before it goes:
+/// they are pushed to a worker on another gateway at once, not after the brokers'
+/// lost-gateway grace (here off) or their activation timeout (here 120 s). The
+/// jobs its client did receive stay with that client, as in Zeebe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_stopped_gracefully_gives_back_the_jobs_no_client_received() {
+    let _g = serial().await;
+    // A client that reads nothing until the end: 32 credit and 16 spare room.
+    let (mut cluster, other, c, mut holding) =
+        without_grace_two_gateways("graceful", Duration::from_secs(120)).await;
+    let keys = create_in_batches(&c, "graceful", 8, 6).await;
+    wait_pushes_accepted(&cluster, 48.0, "every job pushed").await;
+    assert!(cluster.terminate_gateway(Duration::from_secs(10)));
+    let stopped = Instant::now();
+    // What reached the client before its stream ended.
+    let mut received = BTreeSet::new();
+    while let Ok(Ok(Some(job))) =
+        tokio::time::timeout(Duration::from_secs(5), holding.message()).await
+    {
+        received.insert(job.key);
+    }
+    let given_back: Vec<i64> = keys
+        .iter()
+        .copied()
+        .filter(|k| !received.contains(k))
+        .collect();
+    assert!(
+        given_back.len() >= 8,
+        "the client received {} of the 48 jobs",
+        received.len()
+    );
+    let stream = open_stream(
+        &cluster.gateway_addrs[other],
+        "graceful",
+        Duration::from_secs(120),
+    )
+    .await;
+    let (got, _t) = completing_worker(c.clone(), stream);
+    wait_until(
+        Duration::from_secs(10),
+        "the jobs no client received are completed elsewhere",
+        || all_gone(&c, &given_back),
+    )
+    .await;
+    eprintln!(
+        "{} jobs given back, completed {:?} after the gateway stopped",
+        given_back.len(),
+        stopped.elapsed()
+    );
+    let got: BTreeSet<i64> = got.lock().unwrap().iter().copied().collect();
+    assert_eq!(got, given_back.iter().copied().collect::<BTreeSet<_>>());
 }

@@ -101,10 +101,24 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), GatewayError> {
     let topology = Arc::new(topology::Topology::new(&config.brokers)?);
-    // A child token: the gateway's own tasks also stop when the server fails,
-    // without cancelling the caller's token.
-    let stop = shutdown.child_token();
+    // The gateway's own tasks stop on `stop`, after the clients are gone and the
+    // links closed (a graceful stop: see `BrokerLink::close`); they also stop when
+    // the server fails, without cancelling the caller's token. What serves clients
+    // stops on `clients`, first.
+    let stop = CancellationToken::new();
+    let clients = stop.child_token();
+    let closing = stop.child_token();
     let tasks = TaskTracker::new();
+    let link_tasks = TaskTracker::new();
+    {
+        let (shutdown, clients, stop) = (shutdown.clone(), clients.clone(), stop.clone());
+        tasks.spawn(async move {
+            tokio::select! {
+                _ = shutdown.cancelled() => clients.cancel(),
+                _ = stop.cancelled() => {}
+            }
+        });
+    }
     let queue = long_poll::LongPollQueue::new();
     let streams = streams::AggregatedStreams::new(streams::Limits {
         client_credit: config.client_credit,
@@ -130,9 +144,10 @@ pub async fn serve(
         queue.clone(),
         streams.clone(),
         gateway_id.clone(),
+        closing.clone(),
         stop.clone(),
     );
-    tasks.spawn(links.supervise(tasks.clone()));
+    tasks.spawn(links.supervise(link_tasks.clone()));
 
     let shared = service::Shared::new(
         topology,
@@ -142,7 +157,7 @@ pub async fn serve(
         config.default_request_timeout,
         config.push_enabled,
         &gateway_id,
-        stop.clone(),
+        clients.clone(),
     );
     // Zeebe's clients (the Node.js SDK always) compress requests with gzip; answers
     // stay uncompressed, where compression would only add latency.
@@ -160,7 +175,7 @@ pub async fn serve(
             <GatewayServer<service::GatewayService> as NamedService>::NAME,
             <JobsServer<service::JobsService> as NamedService>::NAME,
         ],
-        stop.clone(),
+        clients.clone(),
     );
 
     let incoming = TcpListenerStream::new(listener).then(|accepted| async move {
@@ -185,9 +200,15 @@ pub async fn serve(
         .add_service(gateway)
         .add_service(jobs)
         .add_service(health)
-        .serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned())
+        .serve_with_incoming_shutdown(incoming, clients.clone().cancelled_owned())
         .await;
 
+    // The clients are gone: their streams' jobs are yielded on the links, which
+    // close once those are sent.
+    clients.cancel();
+    closing.cancel();
+    link_tasks.close();
+    link_tasks.wait().await;
     stop.cancel();
     tasks.close();
     tasks.wait().await;

@@ -32,6 +32,12 @@ const RECONNECT_CAP: Duration = Duration::from_secs(2);
 const STABLE_LINK: Duration = Duration::from_secs(5);
 /// Bound on opening a link (connection plus the broker's response headers).
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
+/// On a graceful stop, how long a link keeps answering pushes that crossed the
+/// unregistration of this gateway's streams before it closes its side.
+const CLOSE_QUIET: Duration = Duration::from_millis(100);
+/// On a graceful stop, how long a link waits for the broker to close its side
+/// after this gateway closed its own (the broker has then read all of it).
+const CLOSE_WAIT: Duration = Duration::from_secs(1);
 
 /// What every link task shares.
 #[derive(Clone)]
@@ -41,6 +47,9 @@ pub struct BrokerLink {
     streams: Arc<AggregatedStreams>,
     /// Unique per gateway process, so a broker can tell a restarted gateway apart.
     gateway_id: String,
+    /// A graceful stop: the links close their side once what is queued on them is
+    /// sent (see [`BrokerLink::close`]), and do not reconnect.
+    closing: CancellationToken,
     shutdown: CancellationToken,
 }
 
@@ -58,6 +67,7 @@ impl BrokerLink {
         queue: Arc<LongPollQueue>,
         streams: Arc<AggregatedStreams>,
         gateway_id: String,
+        closing: CancellationToken,
         shutdown: CancellationToken,
     ) -> Self {
         BrokerLink {
@@ -65,6 +75,7 @@ impl BrokerLink {
             queue,
             streams,
             gateway_id,
+            closing,
             shutdown,
         }
     }
@@ -83,6 +94,7 @@ impl BrokerLink {
             }
             tokio::select! {
                 changed = members.changed() => if changed.is_err() { return },
+                _ = self.closing.cancelled() => return,
                 _ = self.shutdown.cancelled() => return,
             }
         }
@@ -92,10 +104,11 @@ impl BrokerLink {
     async fn run(self, node: NodeId) {
         let mut backoff = Backoff::new(RECONNECT_BASE, RECONNECT_CAP);
         let mut failures = 0u32;
-        while !self.shutdown.is_cancelled() {
+        while !self.shutdown.is_cancelled() && !self.closing.is_cancelled() {
             let started = Instant::now();
             let opened = tokio::select! {
                 opened = self.open(node) => opened,
+                _ = self.closing.cancelled() => return,
                 _ = self.shutdown.cancelled() => return,
             };
             match opened {
@@ -123,6 +136,7 @@ impl BrokerLink {
             }
             tokio::select! {
                 _ = tokio::time::sleep(backoff.next_delay()) => {}
+                _ = self.closing.cancelled() => return,
                 _ = self.shutdown.cancelled() => return,
             }
         }
@@ -163,14 +177,11 @@ impl BrokerLink {
                     tracing::warn!(node, "broker link reset: it stopped taking messages");
                     return;
                 }
+                _ = self.closing.cancelled() => return self.close(node, link).await,
                 _ = self.shutdown.cancelled() => return,
             };
             match next {
-                Ok(Some(msg)) => {
-                    if let Some(reply) = self.handle(node, msg, &link.outbound) {
-                        link.outbound.send(reply, "ack");
-                    }
-                }
+                Ok(Some(msg)) => self.answer(node, msg, &link.outbound),
                 Ok(None) => {
                     tracing::warn!(node, "broker closed the link");
                     return;
@@ -180,6 +191,53 @@ impl BrokerLink {
                     return;
                 }
             }
+        }
+    }
+
+    /// Handles one message from the broker and queues its answer, if it has one.
+    fn answer(&self, node: NodeId, msg: BrokerMessage, outbound: &AttachedLink) {
+        if let Some(reply) = self.handle(node, msg, outbound) {
+            outbound.send(reply, "ack");
+        }
+    }
+
+    /// Closes the link of a gateway that stops gracefully, once its clients are
+    /// gone: their streams are unregistered and the jobs they had not received
+    /// yielded, on this link's queue. For [`CLOSE_QUIET`] pushes that crossed the
+    /// unregistrations are still answered (refused: the broker tries elsewhere);
+    /// then this side of the stream ends after everything queued on it, and the
+    /// broker, having read it all, ends its side (waited for up to [`CLOSE_WAIT`]).
+    /// Without this, the yields would die with the process and the jobs wait for
+    /// the brokers' lost-gateway grace.
+    async fn close(&self, node: NodeId, link: Connected) {
+        let Connected {
+            mut inbound,
+            outbound,
+        } = link;
+        let quiet = tokio::time::sleep(CLOSE_QUIET);
+        tokio::pin!(quiet);
+        loop {
+            tokio::select! {
+                next = inbound.message() => match next {
+                    Ok(Some(msg)) => self.answer(node, msg, &outbound),
+                    _ => return,
+                },
+                () = &mut quiet => break,
+                _ = self.shutdown.cancelled() => return,
+            }
+        }
+        drop(outbound);
+        let drained = tokio::time::timeout(CLOSE_WAIT, async {
+            while let Ok(Some(msg)) = inbound.message().await {
+                tracing::debug!(node, ?msg.kind, "broker message after this gateway closed its side");
+            }
+        });
+        tokio::select! {
+            r = drained => match r {
+                Ok(()) => tracing::info!(node, "broker link closed"),
+                Err(_) => tracing::warn!(node, "the broker did not close the link in time"),
+            },
+            _ = self.shutdown.cancelled() => {}
         }
     }
 
