@@ -1506,3 +1506,57 @@ async fn a_gateway_stopped_gracefully_gives_back_the_jobs_no_client_received() {
     let got: BTreeSet<i64> = got.lock().unwrap().iter().copied().collect();
     assert_eq!(got, given_back.iter().copied().collect::<BTreeSet<_>>());
 }
+
+/// The jobs a client of a gateway stopped gracefully did receive stay with that
+/// client's worker, which may finish them through another gateway: the brokers
+/// leave them to their activation timeouts instead of running them again after
+/// their lost-gateway grace, as they do for a gateway that died (the control here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_jobs_a_gateway_that_left_gracefully_handed_out_are_not_run_again() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts {
+        lost_gateway_grace: Some("1s"),
+        ..ClusterOpts::default()
+    })
+    .await;
+    let (dying, other) = (cluster.add_gateway(), cluster.add_gateway());
+    let c = cluster.client_of(other);
+    // Both new gateways serve (the client retries until they do).
+    cluster.client_of(dying).topology().await.expect("topology");
+    c.topology().await.expect("topology");
+    let timeout = Duration::from_secs(120);
+    let mut leaving = open_stream(&cluster.gateway_addr, "left", timeout).await;
+    let mut dead = open_stream(&cluster.gateway_addrs[dying], "died", timeout).await;
+    wait_registered(&cluster, 6.0).await;
+    let left = create_in_batches(&c, "left", 4, 1).await;
+    let died = create_in_batches(&c, "died", 4, 1).await;
+    for _ in 0..4 {
+        next(&mut leaving).await;
+        next(&mut dead).await;
+    }
+    wait_pushes_accepted(&cluster, 8.0, "every push answered").await;
+    assert!(cluster.terminate_gateway(Duration::from_secs(10)));
+    cluster.kill_gateway(dying);
+    let (got_left, _a) = completing_worker(
+        c.clone(),
+        open_stream(&cluster.gateway_addrs[other], "left", timeout).await,
+    );
+    let (got_died, _b) = completing_worker(
+        c.clone(),
+        open_stream(&cluster.gateway_addrs[other], "died", timeout).await,
+    );
+    // The dead gateway's jobs run again after the grace (1 s)...
+    wait_until(
+        Duration::from_secs(20),
+        "the dead gateway's jobs are completed elsewhere",
+        || all_gone(&c, &died),
+    )
+    .await;
+    assert_eq!(got_died.lock().unwrap().len(), 4);
+    // ... whose clock started after the graceful stop's: its jobs would have too.
+    assert!(got_left.lock().unwrap().is_empty(), "{:?}", got_left.lock());
+    for k in &left {
+        let job = c.get_job(*k).await.expect("still there");
+        assert_eq!(job.state, courier_client::JobState::Activated as i32);
+    }
+}

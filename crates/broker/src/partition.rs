@@ -1475,7 +1475,9 @@ async fn reclaim_orphans(p: Arc<Partition>, term: u64) {
         return;
     }
     let gone = |gateway: &str| {
-        p.registry.link_of_gateway(gateway).is_none() && !p.registry.said_hello_since(gateway, mark)
+        p.registry.link_of_gateway(gateway).is_none()
+            && !p.registry.said_hello_since(gateway, mark)
+            && !p.registry.left(gateway)
     };
     let orphans = p.shared.read().state.handed_through(gone);
     if orphans.is_empty() {

@@ -48,9 +48,16 @@ pub struct Link {
     /// `HeldQuery`s waiting for the gateway's answer, by query id.
     queries: DashMap<u64, oneshot::Sender<Vec<HeldJob>>>,
     next_query: AtomicU64,
+    /// The gateway said it stops gracefully (see [`JobStreamRegistry::left`]).
+    leaving: std::sync::atomic::AtomicBool,
 }
 
 impl Link {
+    /// Whether the gateway said it stops gracefully before the link ended.
+    pub fn is_leaving(&self) -> bool {
+        self.leaving.load(Ordering::Relaxed)
+    }
+
     /// Queues a job for `stream_id` on this gateway now, without waiting: the send is
     /// on the job path, the answer is not. Refused when the link is full or gone.
     pub fn send_push(
@@ -241,6 +248,8 @@ pub struct JobStreamRegistry {
     /// Gateway hellos heard so far, and the number of each gateway's last one.
     hellos: AtomicU64,
     last_hello: DashMap<String, u64>,
+    /// Gateways that said they stop gracefully (see [`JobStreamRegistry::left`]).
+    left: DashMap<String, ()>,
     /// Rotates the choice among logical streams and recipients, per lookup.
     turn: AtomicUsize,
 }
@@ -258,6 +267,7 @@ impl JobStreamRegistry {
             next_push: AtomicU64::new(1),
             queries: DashMap::new(),
             next_query: AtomicU64::new(1),
+            leaving: std::sync::atomic::AtomicBool::new(false),
         });
         self.links.insert(id, link.clone());
         (link, rx)
@@ -316,6 +326,28 @@ impl JobStreamRegistry {
         }
         self.last_hello.insert(gateway.clone(), n);
         *link.gateway.lock().unwrap_or_else(|e| e.into_inner()) = gateway;
+    }
+
+    /// The gateway of `link` stops gracefully: its clients are gone, and what they
+    /// had not received came back before this. The jobs still handed out through it
+    /// are with its clients' workers, which may finish them through another
+    /// gateway: they are not reclaimed after the lost-gateway grace, here or by a
+    /// later leader on this broker.
+    pub fn leaving(&self, link: &Link) {
+        link.leaving.store(true, Ordering::Relaxed);
+        let gateway = link.gateway_id();
+        if gateway.is_empty() {
+            return;
+        }
+        if self.left.len() >= MAX_GATEWAYS_REMEMBERED {
+            self.left.clear();
+        }
+        self.left.insert(gateway, ());
+    }
+
+    /// Whether `gateway` said it stops gracefully (see [`Self::leaving`]).
+    pub fn left(&self, gateway: &str) -> bool {
+        self.left.contains_key(gateway)
     }
 
     /// Gateway hellos heard so far: a mark to compare [`Self::said_hello_since`] with.
@@ -777,6 +809,22 @@ mod tests {
         tokio::task::yield_now().await;
         reg.remove_link(id);
         assert_eq!(pending.await.expect("push"), PushOutcome::Unknown);
+    }
+
+    #[test]
+    fn a_gateway_that_says_it_leaves_is_remembered_as_gone_gracefully() {
+        let reg = JobStreamRegistry::default();
+        let (link, _rx) = reg.add_link();
+        let (other, _rx2) = reg.add_link();
+        reg.hello(&link, "gw-1".into());
+        reg.hello(&other, "gw-2".into());
+        assert!(!link.is_leaving() && !reg.left("gw-1"));
+        reg.leaving(&link);
+        assert!(link.is_leaving() && reg.left("gw-1"));
+        assert!(!other.is_leaving() && !reg.left("gw-2"));
+        // Remembered after its link is gone, for a later leader's check.
+        reg.remove_link(link.id);
+        assert!(reg.left("gw-1"));
     }
 
     #[tokio::test]

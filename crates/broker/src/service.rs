@@ -255,8 +255,17 @@ impl Drop for LinkGuard {
         if self.shutdown.is_cancelled() {
             return;
         }
-        // The jobs pushed through that gateway are checked on if it does not return.
+        // The jobs pushed through that gateway are checked on if it does not return,
+        // unless it left gracefully: then they are with its clients' workers.
         let gateway = self.link.gateway_id();
+        if self.link.is_leaving() {
+            tracing::info!(
+                %gateway,
+                link = self.link.id,
+                "gateway left gracefully; the jobs its clients hold stay theirs until their activation timeouts"
+            );
+            return;
+        }
         if !gateway.is_empty() {
             let mark = self.registry.hellos();
             for p in self.partitions.values() {
@@ -309,6 +318,10 @@ fn on_gateway_message(
             }
         }
         Some(gateway_message::Kind::PushAck(a)) => link.acked(a.push_id, a.accepted, a.reason),
+        Some(gateway_message::Kind::Leaving(_)) => {
+            tracing::info!(gateway = %link.gateway_id(), link = link.id, "gateway stops gracefully");
+            registry.leaving(link);
+        }
         Some(gateway_message::Kind::HeldAnswer(a)) => link.answered(a.query_id, a.held),
         Some(gateway_message::Kind::YieldJob(y)) => {
             // Gateways send yields to every broker: only the partition's leader

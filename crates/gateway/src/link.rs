@@ -14,7 +14,7 @@ use crate::streams::{AggregatedStreams, AttachedLink};
 use crate::topology::Topology;
 use courier_proto::cluster::{
     broker_client::BrokerClient, broker_message, gateway_message, BrokerMessage, GatewayHello,
-    GatewayMessage, PushJob,
+    GatewayLeaving, GatewayMessage, PushJob,
 };
 use courier_proto::domain::{NodeId, PartitionId};
 use std::collections::HashSet;
@@ -205,10 +205,13 @@ impl BrokerLink {
     /// gone: their streams are unregistered and the jobs they had not received
     /// yielded, on this link's queue. For [`CLOSE_QUIET`] pushes that crossed the
     /// unregistrations are still answered (refused: the broker tries elsewhere);
-    /// then this side of the stream ends after everything queued on it, and the
-    /// broker, having read it all, ends its side (waited for up to [`CLOSE_WAIT`]).
-    /// Without this, the yields would die with the process and the jobs wait for
-    /// the brokers' lost-gateway grace.
+    /// then the gateway says it is leaving (the jobs still handed out through it are
+    /// with its clients' workers, which may finish them through another gateway:
+    /// the broker leaves them to their activation timeouts instead of running them
+    /// again after its lost-gateway grace), this side of the stream ends after
+    /// everything queued on it, and the broker, having read it all, ends its side
+    /// (waited for up to [`CLOSE_WAIT`]). Without this, the yields would die with
+    /// the process and the jobs wait for the brokers' lost-gateway grace.
     async fn close(&self, node: NodeId, link: Connected) {
         let Connected {
             mut inbound,
@@ -226,6 +229,12 @@ impl BrokerLink {
                 _ = self.shutdown.cancelled() => return,
             }
         }
+        outbound.send(
+            GatewayMessage {
+                kind: Some(gateway_message::Kind::Leaving(GatewayLeaving {})),
+            },
+            "leaving",
+        );
         drop(outbound);
         let drained = tokio::time::timeout(CLOSE_WAIT, async {
             while let Ok(Some(msg)) = inbound.message().await {
