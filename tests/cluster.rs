@@ -1402,3 +1402,39 @@ async fn partitions_go_back_to_their_preferred_leader_once_it_is_back() {
         "{log}"
     );
 }
+
+/// A create sent to a leader that then stops answering (here frozen) may have been
+/// applied there, so the gateway cannot move it to another partition: it waits out
+/// the failover and sends it to the partition's next leader, instead of giving up
+/// with UNAVAILABLE once its time on that partition (1 s) is up. Elections take
+/// 0.9-1.2 s, so each round would give up more often than not without that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_sent_to_a_leader_that_stopped_answering_waits_for_the_next_one() {
+    let _g = serial().await;
+    let (cluster, c) = one_partition_cluster("in-flight").await;
+    let once = c.clone().with_retry_budget(Duration::ZERO);
+    let mut created = Vec::new();
+    for round in 0..3 {
+        let leader = cluster.leaders().await[&1];
+        cluster.freeze_broker(leader, true);
+        let started = Instant::now();
+        let r = once.create_job(NewJob::new("in-flight")).await;
+        let took = started.elapsed();
+        cluster.freeze_broker(leader, false);
+        let job = r.unwrap_or_else(|e| panic!("round {round}: refused after {took:?}: {e}"));
+        assert!(took < Duration::from_secs(5), "round {round}: {took:?}");
+        created.push(job.key);
+        // The old leader follows again before the next round.
+        wait_until(Duration::from_secs(10), "one leader", || async {
+            cluster.leaders().await.len() == 1
+                && cluster
+                    .broker_topology(leader)
+                    .await
+                    .is_some_and(|t| t.partitions.iter().all(|p| p.role == "follower"))
+        })
+        .await;
+    }
+    for k in created {
+        c.get_job(k).await.expect("the job exists");
+    }
+}

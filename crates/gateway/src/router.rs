@@ -107,7 +107,9 @@ impl Router {
 
     /// Like [`Router::execute`], but starts no new attempt after `retry_until`
     /// (an attempt in flight still runs until `deadline`), and says whether the
-    /// request can have been applied.
+    /// request can have been applied. Once it may have been (an attempt's answer
+    /// was lost), it is retried here until `deadline`: the caller could not move
+    /// it elsewhere without doing it twice, so it waits out the failover.
     pub async fn execute_until(
         &self,
         partition: PartitionId,
@@ -200,7 +202,8 @@ impl Router {
                 }
             };
             let wake = Instant::now() + backoff.next_delay();
-            if wake >= retry_until.min(deadline) || self.shutdown.is_cancelled() {
+            let until = if maybe_applied { deadline } else { retry_until };
+            if wake >= until.min(deadline) || self.shutdown.is_cancelled() {
                 tracing::debug!(%partition, reason, last, "giving up");
                 return Err(RouteFailure {
                     error: given_up(partition, reason, last),
