@@ -179,6 +179,10 @@ pub async fn run(
         ),
         shutdown.clone(),
     ));
+    // On /metrics from the start, at 0, with rebalancing on or off.
+    for outcome in ["handed_over", "kept"] {
+        metrics::REBALANCES.with_label_values(&[outcome]).inc_by(0);
+    }
     // One hand-off at a time: a rebalance's ends before the stop's begin.
     let handing_off = Arc::new(tokio::sync::Mutex::new(()));
     if let Some(settle) = config.rebalance_after {
@@ -383,9 +387,6 @@ async fn rebalance_leaders(
     shutdown: CancellationToken,
 ) {
     use tokio::time::Instant;
-    for outcome in ["handed_over", "kept"] {
-        metrics::REBALANCES.with_label_values(&[outcome]).inc_by(0);
-    }
     // Per partition: since when its preferred leader has looked ready to take over.
     let mut ready_since: Vec<Option<Instant>> = vec![None; parts.len()];
     let mut tick = tokio::time::interval(REBALANCE_TICK);

@@ -178,8 +178,14 @@ pub fn init_tracing(default_filter: &str) {
 /// Drops openraft's errors and warnings for each Raft call that could not reach a
 /// peer broker, or that it did not answer: a few a second per partition for as
 /// long as the peer is down or hung. The broker says
-/// once that it cannot reach the peer, and again when the peer answers.
+/// once that it cannot reach the peer, and again when the peer answers. Also drops,
+/// once the process is stopping, openraft's errors for a call that met its Raft
+/// core stopped (a peer's append-entries arriving as the partition shuts down): a
+/// planned stop is not a failure.
 struct QuietUnreachablePeers;
+
+/// Set when a stop was asked for (Ctrl-C, SIGTERM).
+static STOPPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for QuietUnreachablePeers {
     fn event_enabled(
@@ -191,22 +197,29 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for QuietUnreachablePe
         if *meta.level() > tracing::Level::WARN || !meta.target().starts_with("openraft") {
             return true;
         }
-        let mut found = MentionsUnreachable(false);
+        let mut found = Mentions {
+            stopping: STOPPING.load(std::sync::atomic::Ordering::Relaxed),
+            found: false,
+        };
         event.record(&mut found);
-        !found.0
+        !found.found
     }
 }
 
-/// Whether any field of an event names openraft's `Unreachable` error, or a call
-/// the peer did not answer.
-struct MentionsUnreachable(bool);
+/// Whether any field of an event names openraft's `Unreachable` error or a call the
+/// peer did not answer, or (`stopping`) a Raft core that stopped.
+struct Mentions {
+    stopping: bool,
+    found: bool,
+}
 
-impl tracing::field::Visit for MentionsUnreachable {
+impl tracing::field::Visit for Mentions {
     fn record_debug(&mut self, _: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        if !self.0 {
+        if !self.found {
             let text = format!("{value:?}");
-            self.0 =
-                text.contains("Unreachable") || text.contains(courier_broker::raft::PEER_SILENT);
+            self.found = text.contains("Unreachable")
+                || text.contains(courier_broker::raft::PEER_SILENT)
+                || (self.stopping && text.contains("Stopped"));
         }
     }
 }
@@ -234,6 +247,7 @@ fn shutdown_on_signal() -> CancellationToken {
         }
         #[cfg(not(unix))]
         let _ = ctrl_c.await;
+        STOPPING.store(true, std::sync::atomic::Ordering::Relaxed);
         tracing::info!("shutting down");
         t.cancel();
     });
@@ -474,6 +488,46 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn openraft_noise_about_down_peers_and_a_stopping_core_is_dropped() {
+        use std::sync::{Arc, Mutex};
+        use tracing_subscriber::layer::SubscriberExt;
+        #[derive(Clone, Default)]
+        struct Buf(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Buf {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Buf::default();
+        let out = buf.clone();
+        let subscriber = tracing_subscriber::registry()
+            .with(QuietUnreachablePeers)
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_ansi(false)
+                    .with_writer(move || out.clone()),
+            );
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::error!(target: "openraft::network", error = ?"Unreachable(x)", "down");
+            tracing::error!(target: "openraft::raft", error = ?"Fatal(Stopped)", "before the stop");
+            tracing::error!(target: "courier_broker", error = ?"Unreachable", "ours");
+            STOPPING.store(true, std::sync::atomic::Ordering::Relaxed);
+            tracing::error!(target: "openraft::raft", error = ?"Fatal(Stopped)", "during the stop");
+            tracing::error!(target: "openraft::raft", error = ?"Fatal(Panicked)", "a real one");
+        });
+        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        assert!(!text.contains("down"), "{text}");
+        assert!(text.contains("before the stop"), "{text}");
+        assert!(text.contains("ours"), "{text}");
+        assert!(!text.contains("during the stop"), "{text}");
+        assert!(text.contains("a real one"), "{text}");
+    }
 
     #[test]
     fn a_broker_must_be_one_of_its_peers() {

@@ -274,7 +274,7 @@ fn print_outcome(
                     .unwrap_or_else(|_| json!({}));
                 report!(
                     "{}",
-                    json!({"key": key, "outcome": "completed", "variables": variables})
+                    json!({"key": key, "outcome": "completed", "recorded": true, "variables": variables})
                 );
             } else {
                 report!("completed job {key} {}", or_empty_object(variables));
@@ -284,7 +284,7 @@ fn print_outcome(
             if json {
                 report!(
                     "{}",
-                    json!({"key": key, "outcome": "failed", "message": message})
+                    json!({"key": key, "outcome": "failed", "recorded": true, "message": message})
                 );
             } else {
                 report!("failed job {key}: {message}");
@@ -294,7 +294,7 @@ fn print_outcome(
             if json {
                 report!(
                     "{}",
-                    json!({"key": key, "outcome": "errorThrown", "errorCode": code, "message": message})
+                    json!({"key": key, "outcome": "errorThrown", "recorded": true, "errorCode": code, "message": message})
                 );
             } else {
                 report!("threw error {code} on job {key}: {message}");
