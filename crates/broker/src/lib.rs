@@ -367,8 +367,8 @@ const REBALANCE_TICK: Duration = Duration::from_secs(1);
 
 /// How far behind the leader's log the preferred leader may be and still count as
 /// caught up while it waits for its turn: the hand-off itself waits until it has
-/// every entry.
-const REBALANCE_MAX_LAG: u64 = 1_000;
+/// every entry, with the partition's writes held, so only a few may be missing.
+const REBALANCE_MAX_LAG: u64 = 64;
 
 /// Hands each partition this broker leads in place of its preferred leader (see
 /// [`BrokerConfig::preferred_leader`]) back to it, once the preferred leader has

@@ -24,6 +24,9 @@ pub const LINK_QUEUE: usize = 8192;
 /// those not linked are forgotten.
 const MAX_GATEWAYS_REMEMBERED: usize = 1024;
 
+/// Refusal reason of the pushes a gateway that left gracefully never answered.
+pub const GATEWAY_LEFT: &str = "gateway_left";
+
 /// How a push ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PushOutcome {
@@ -275,8 +278,17 @@ impl JobStreamRegistry {
 
     /// The link ended: every stream it registered goes, and pushes waiting for its
     /// answer end as [`PushOutcome::Unknown`].
+    /// A gateway that said it leaves ([`Self::leaving`]) had no client left: the
+    /// pushes it never answered reached none, and end as refused ("gateway_left"),
+    /// to be tried elsewhere or yielded, not left to their deadlines.
     pub fn remove_link(&self, id: u64) {
         if let Some((_, link)) = self.links.remove(&id) {
+            if link.is_leaving() {
+                let unanswered: Vec<u64> = link.pending.iter().map(|e| *e.key()).collect();
+                for push_id in unanswered {
+                    link.acked(push_id, false, GATEWAY_LEFT.to_string());
+                }
+            }
             link.pending.clear();
             link.queries.clear();
         }
@@ -805,10 +817,22 @@ mod tests {
         // The link ended before the answer: unknown as well.
         let l = link.clone();
         let id = link.id;
-        let pending = tokio::spawn(push(&l, 6, job));
+        let pending = tokio::spawn(push(&l, 6, job.clone()));
         tokio::task::yield_now().await;
         reg.remove_link(id);
         assert_eq!(pending.await.expect("push"), PushOutcome::Unknown);
+        // Unless the gateway said it leaves: it had no client left to take it.
+        let (leaving, _rx) = reg.add_link();
+        reg.hello(&leaving, "gw-leaving".into());
+        let l = leaving.clone();
+        let pending = tokio::spawn(push(&l, 7, job));
+        tokio::task::yield_now().await;
+        reg.leaving(&leaving);
+        reg.remove_link(leaving.id);
+        assert_eq!(
+            pending.await.expect("push"),
+            PushOutcome::Refused(GATEWAY_LEFT.into())
+        );
     }
 
     #[test]
