@@ -731,7 +731,10 @@ impl Gateway for GatewayService {
 
 /// The cluster as Zeebe clients expect to see it. A broker that did not answer the
 /// last round is listed without partitions; one that never answered, without a
-/// version.
+/// version. Roles are those of the last round, except that the leader the gateway
+/// knows now (a broker's own word since, a hand-off, a failover) is the partition's
+/// only leader: between rounds a broker that handed its partitions over, or stopped,
+/// would still be listed as leading them.
 pub fn zeebe_topology(view: &ClusterView) -> gw::TopologyResponse {
     use gw::partition::{PartitionBrokerHealth as Health, PartitionBrokerRole as Role};
     let brokers = view
@@ -745,9 +748,11 @@ pub fn zeebe_topology(view: &ClusterView) -> gw::TopologyResponse {
                 .into_iter()
                 .flatten()
                 .map(|p| {
-                    let role = match p.role.as_str() {
-                        "leader" => Role::Leader,
-                        "follower" => Role::Follower,
+                    let known = view.leaders.get(&p.partition).map(|l| l.node);
+                    let role = match (p.role.as_str(), known) {
+                        (_, Some(leader)) if leader == node => Role::Leader,
+                        ("leader", Some(_)) | ("follower", _) => Role::Follower,
+                        ("leader", None) => Role::Leader,
                         _ => Role::Inactive,
                     };
                     let health = if view.healthy(p.partition) {
@@ -1176,5 +1181,16 @@ mod tests {
             (R::Leader as i32, H::Unhealthy as i32)
         );
         assert_eq!(t.brokers[1].partitions[0].health, H::Unhealthy as i32);
+        // Broker 1 handed partition 1 to broker 2, which said so before the next
+        // round: broker 2 is its leader, broker 1 a follower.
+        view.reports.get_mut(&1).unwrap()[0].majority_lost = false;
+        view.leaders
+            .insert(PartitionId(1), Leader { node: 2, term: 4 });
+        let t = zeebe_topology(&view);
+        let roles: Vec<i32> = t.brokers[..2]
+            .iter()
+            .map(|b| b.partitions[0].role)
+            .collect();
+        assert_eq!(roles, [R::Follower as i32, R::Leader as i32]);
     }
 }
