@@ -145,6 +145,7 @@ pub async fn serve(
         streams.clone(),
         gateway_id.clone(),
         closing.clone(),
+        shutdown.clone(),
         stop.clone(),
     );
     tasks.spawn(links.supervise(link_tasks.clone()));

@@ -50,6 +50,9 @@ pub struct BrokerLink {
     /// A graceful stop: the links close their side once what is queued on them is
     /// sent (see [`BrokerLink::close`]), and do not reconnect.
     closing: CancellationToken,
+    /// The gateway was asked to stop: a link that ends now (its broker stopping
+    /// too, as in `courier dev`) is no news worth a warning.
+    stopping: CancellationToken,
     shutdown: CancellationToken,
 }
 
@@ -68,6 +71,7 @@ impl BrokerLink {
         streams: Arc<AggregatedStreams>,
         gateway_id: String,
         closing: CancellationToken,
+        stopping: CancellationToken,
         shutdown: CancellationToken,
     ) -> Self {
         BrokerLink {
@@ -76,6 +80,7 @@ impl BrokerLink {
             streams,
             gateway_id,
             closing,
+            stopping,
             shutdown,
         }
     }
@@ -183,11 +188,19 @@ impl BrokerLink {
             match next {
                 Ok(Some(msg)) => self.answer(node, msg, &link.outbound),
                 Ok(None) => {
-                    tracing::warn!(node, "broker closed the link");
+                    if self.stopping.is_cancelled() {
+                        tracing::info!(node, "broker closed the link as this gateway stops");
+                    } else {
+                        tracing::warn!(node, "broker closed the link");
+                    }
                     return;
                 }
                 Err(status) => {
-                    tracing::warn!(node, %status, "broker link failed");
+                    if self.stopping.is_cancelled() {
+                        tracing::info!(node, %status, "broker link ended as this gateway stops");
+                    } else {
+                        tracing::warn!(node, %status, "broker link failed");
+                    }
                     return;
                 }
             }
