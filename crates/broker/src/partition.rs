@@ -212,6 +212,16 @@ const HAND_OFF_WAIT: Duration = Duration::from_secs(1);
 /// Past its lease by this much, a leader surely grants the vote it asks for.
 const LEASE_MARGIN: Duration = Duration::from_millis(20);
 
+/// What becomes of a partition whose hand-off failed: a stopping leader's waits for
+/// an election; one being handed back to its preferred leader (`only`) stays led here.
+fn then_what(only: Option<NodeId>) -> &'static str {
+    if only.is_some() {
+        "this broker leads on"
+    } else {
+        "the partition waits for an election"
+    }
+}
+
 impl Partition {
     /// Starts the proposer and the timers of a partition; both stop on `shutdown`.
     #[allow(clippy::too_many_arguments)]
@@ -448,19 +458,16 @@ impl Partition {
                 changed = watch.changed() => if changed.is_err() { return None },
                 _ = self.gate_idle.notified() => {}
                 _ = tokio::time::sleep_until(until) => {
-                    if only.is_some() {
-                        tracing::warn!(
-                            "the preferred leader did not have the whole log within {} ms: \
-                             this broker leads on",
-                            HAND_OFF_WAIT.as_millis()
-                        );
-                    } else {
-                        tracing::warn!(
-                            "no follower had the whole log within {} ms (all down, or behind): \
-                             the partition waits for an election",
-                            HAND_OFF_WAIT.as_millis()
-                        );
-                    }
+                    tracing::warn!(
+                        "{} within {} ms: {}",
+                        if only.is_some() {
+                            "the preferred leader did not have the whole log"
+                        } else {
+                            "no follower had the whole log (all down, or behind)"
+                        },
+                        HAND_OFF_WAIT.as_millis(),
+                        then_what(only)
+                    );
                     metrics::HANDOFFS
                         .with_label_values(&["no_follower_caught_up"])
                         .inc();
@@ -482,15 +489,15 @@ impl Partition {
             }
         }
         let Some(to) = to else {
-            if only.is_some() {
-                tracing::warn!(
-                    "the preferred leader would not take the partition over: this broker leads on"
-                );
-            } else {
-                tracing::warn!(
-                    "no follower would take the partition over: it waits for an election"
-                );
-            }
+            tracing::warn!(
+                "{} take the partition over: {}",
+                if only.is_some() {
+                    "the preferred leader would not"
+                } else {
+                    "no follower would"
+                },
+                then_what(only)
+            );
             metrics::HANDOFFS.with_label_values(&["refused"]).inc();
             return None;
         };

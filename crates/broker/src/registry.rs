@@ -51,16 +51,9 @@ pub struct Link {
     /// `HeldQuery`s waiting for the gateway's answer, by query id.
     queries: DashMap<u64, oneshot::Sender<Vec<HeldJob>>>,
     next_query: AtomicU64,
-    /// The gateway said it stops gracefully (see [`JobStreamRegistry::left`]).
-    leaving: std::sync::atomic::AtomicBool,
 }
 
 impl Link {
-    /// Whether the gateway said it stops gracefully before the link ended.
-    pub fn is_leaving(&self) -> bool {
-        self.leaving.load(Ordering::Relaxed)
-    }
-
     /// Queues a job for `stream_id` on this gateway now, without waiting: the send is
     /// on the job path, the answer is not. Refused when the link is full or gone.
     pub fn send_push(
@@ -270,7 +263,6 @@ impl JobStreamRegistry {
             next_push: AtomicU64::new(1),
             queries: DashMap::new(),
             next_query: AtomicU64::new(1),
-            leaving: std::sync::atomic::AtomicBool::new(false),
         });
         self.links.insert(id, link.clone());
         (link, rx)
@@ -283,7 +275,7 @@ impl JobStreamRegistry {
     /// to be tried elsewhere or yielded, not left to their deadlines.
     pub fn remove_link(&self, id: u64) {
         if let Some((_, link)) = self.links.remove(&id) {
-            if link.is_leaving() {
+            if self.left(&link.gateway_id()) {
                 let unanswered: Vec<u64> = link.pending.iter().map(|e| *e.key()).collect();
                 for push_id in unanswered {
                     link.acked(push_id, false, GATEWAY_LEFT.to_string());
@@ -346,7 +338,6 @@ impl JobStreamRegistry {
     /// gateway: they are not reclaimed after the lost-gateway grace, here or by a
     /// later leader on this broker.
     pub fn leaving(&self, link: &Link) {
-        link.leaving.store(true, Ordering::Relaxed);
         let gateway = link.gateway_id();
         if gateway.is_empty() {
             return;
@@ -842,10 +833,10 @@ mod tests {
         let (other, _rx2) = reg.add_link();
         reg.hello(&link, "gw-1".into());
         reg.hello(&other, "gw-2".into());
-        assert!(!link.is_leaving() && !reg.left("gw-1"));
+        assert!(!reg.left("gw-1"));
         reg.leaving(&link);
-        assert!(link.is_leaving() && reg.left("gw-1"));
-        assert!(!other.is_leaving() && !reg.left("gw-2"));
+        assert!(reg.left("gw-1"));
+        assert!(!reg.left("gw-2"));
         // Remembered after its link is gone, for a later leader's check.
         reg.remove_link(link.id);
         assert!(reg.left("gw-1"));

@@ -54,6 +54,16 @@ fn partition(partitions: &Partitions, id: u32) -> Result<&Arc<Partition>, Status
         .ok_or_else(|| Status::not_found(format!("partition {id} is not hosted on this broker")))
 }
 
+/// A leader's append-entries or a candidate's vote request (`vote` names the
+/// sender) reached replica `p`: the peer answers, and `p` stands for no election
+/// before an election timeout from now.
+fn heard_from(peers: &crate::raft::PeerChannels, p: &Partition, vote: &openraft::Vote<u64>) {
+    if let Some(sender) = vote.leader_id().voted_for() {
+        peers.heard_from(sender);
+    }
+    p.heard_from_leader_at(std::time::Instant::now());
+}
+
 /// Serves one request of a Raft stream: the encoded openraft reply.
 async fn serve_raft_call(
     partitions: &Partitions,
@@ -65,19 +75,13 @@ async fn serve_raft_call(
         Ok(RaftCall::AppendEntries) => {
             let rpc: AppendEntriesRequest<TypeConfig> = codec::decode(&frame.payload)
                 .map_err(|e| malformed("append-entries request", e))?;
-            if let Some(leader) = rpc.vote.leader_id().voted_for() {
-                peers.heard_from(leader);
-            }
-            p.heard_from_leader_at(std::time::Instant::now());
+            heard_from(peers, p, &rpc.vote);
             encode(&p.raft.append_entries(rpc).await)
         }
         Ok(RaftCall::Vote) => {
             let rpc: VoteRequest<u64> =
                 codec::decode(&frame.payload).map_err(|e| malformed("vote request", e))?;
-            if let Some(candidate) = rpc.vote.leader_id().voted_for() {
-                peers.heard_from(candidate);
-            }
-            p.heard_from_leader_at(std::time::Instant::now());
+            heard_from(peers, p, &rpc.vote);
             encode(&p.raft.vote(rpc).await)
         }
         Ok(RaftCall::Elect) => {
@@ -258,7 +262,7 @@ impl Drop for LinkGuard {
         // The jobs pushed through that gateway are checked on if it does not return,
         // unless it left gracefully: then they are with its clients' workers.
         let gateway = self.link.gateway_id();
-        if self.link.is_leaving() {
+        if self.registry.left(&gateway) {
             tracing::info!(
                 %gateway,
                 link = self.link.id,

@@ -105,20 +105,11 @@ pub async fn serve(
     // links closed (a graceful stop: see `BrokerLink::close`); they also stop when
     // the server fails, without cancelling the caller's token. What serves clients
     // stops on `clients`, first.
+    let clients = shutdown.child_token();
+    let closing = CancellationToken::new();
     let stop = CancellationToken::new();
-    let clients = stop.child_token();
-    let closing = stop.child_token();
     let tasks = TaskTracker::new();
     let link_tasks = TaskTracker::new();
-    {
-        let (shutdown, clients, stop) = (shutdown.clone(), clients.clone(), stop.clone());
-        tasks.spawn(async move {
-            tokio::select! {
-                _ = shutdown.cancelled() => clients.cancel(),
-                _ = stop.cancelled() => {}
-            }
-        });
-    }
     let queue = long_poll::LongPollQueue::new();
     let streams = streams::AggregatedStreams::new(streams::Limits {
         client_credit: config.client_credit,
