@@ -1,7 +1,8 @@
 //! The Rust `JobWorker` and the `courier worker` command on clusters of real
 //! processes: jobs pushed and counted by path, a gateway restarted under a running
-//! worker, a gateway without push, max jobs active across both paths, a shutdown
-//! with jobs in flight, and the CLI worker end to end.
+//! worker, a gateway without push, max jobs active across both paths, a full
+//! worker whose stream reopens, a shutdown with jobs in flight, and the CLI worker
+//! end to end.
 
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::expect_used, clippy::unwrap_used)]
@@ -212,6 +213,80 @@ async fn max_jobs_active_is_never_exceeded_across_push_and_poll() {
     assert!(s.pushed > 0, "{s:?}");
     assert!(s.completed >= 100);
     assert_eq!(s.active, 0);
+    worker.shutdown().await;
+}
+
+/// A worker whose stream is reopened (its gateway restarted) while every handler
+/// is still busy. The new stream states the worker's whole max jobs active, so the
+/// gateway pushes jobs the worker has no room for. Given back at once, each came
+/// straight back, as fast as the broker's log committed (thousands of pushes a
+/// second, for as long as the handlers ran); now they wait for room, and at most
+/// once a second go back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_worker_whose_stream_reopens_is_not_pushed_jobs_in_a_loop() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts::one_broker(1)).await;
+    let c = cluster.client();
+    const MAX: usize = 4;
+    let (release, released) = tokio::sync::watch::channel(false);
+    let running = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let running = running.clone();
+        move |_job: ActivatedJob| {
+            let (running, mut released) = (running.clone(), released.clone());
+            async move {
+                running.fetch_add(1, Ordering::SeqCst);
+                let _ = released.wait_for(|r| *r).await;
+                running.fetch_sub(1, Ordering::SeqCst);
+                Ok::<_, String>(JobOutcome::complete())
+            }
+        }
+    };
+    let keys = create(&c, "w-full", 12).await;
+    let worker = JobWorker::builder(c.clone(), "w-full", handler)
+        .max_jobs_active(MAX as u32)
+        .timeout(Duration::from_secs(60))
+        .spawn()
+        .unwrap();
+    wait_until(Duration::from_secs(10), "the worker is full", || async {
+        running.load(Ordering::SeqCst) == MAX
+    })
+    .await;
+
+    // A graceful stop: the jobs the worker holds stay with it.
+    assert!(cluster.terminate_gateway(Duration::from_secs(10)));
+    cluster.start_gateway(0);
+    wait_until(
+        Duration::from_secs(15),
+        "the worker's stream is open again",
+        || async {
+            let s = worker.metrics().snapshot();
+            s.stream_open && s.stream_opens >= 2
+        },
+    )
+    .await;
+    let pushes = || cluster.broker_metric("courier_broker_push_attempts_total");
+    let before = pushes().await;
+    let window = Instant::now();
+    // Watched for a while: what is measured is the absence of a loop.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let pushed = pushes().await - before;
+    let s = worker.metrics().snapshot();
+    eprintln!(
+        "{pushed} pushes in {:?} while the worker was full: {s:?}",
+        window.elapsed()
+    );
+    assert_eq!(running.load(Ordering::SeqCst), MAX, "{s:?}");
+    assert!(
+        pushed <= 4.0 * MAX as f64,
+        "{pushed} pushes to a full worker in 3 s: {s:?}"
+    );
+
+    release.send_replace(true);
+    all_completed(&c, &keys, Duration::from_secs(30)).await;
+    let s = worker.metrics().snapshot();
+    eprintln!("after: {s:?}");
+    assert_eq!(s.completed, 12, "{s:?}");
     worker.shutdown().await;
 }
 

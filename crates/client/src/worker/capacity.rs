@@ -56,6 +56,11 @@ impl Capacity {
         self.permits.available_permits()
     }
 
+    /// Jobs it holds at most.
+    pub(crate) fn max(&self) -> usize {
+        self.max
+    }
+
     /// Jobs held right now.
     pub(crate) fn held(&self) -> usize {
         self.max - self.free()

@@ -40,6 +40,8 @@ pub(super) async fn run(ctx: Arc<Ctx>, job: ActivatedJob, hold: (Held, ActiveGua
         Some(outcome) => {
             ctx.metrics.handler_took(started.elapsed());
             drop(held);
+            // The permit goes to a job waiting for one, if any.
+            ctx.pump();
             report(&ctx, key, retries, outcome).await;
         }
         None => give_back(Arc::clone(&ctx), key, GiveBack::Shutdown).await,

@@ -53,6 +53,7 @@ struct Counters {
     errors_thrown: AtomicU64,
     given_back_no_capacity: AtomicU64,
     given_back_shutdown: AtomicU64,
+    waited_for_room: AtomicU64,
     commands_failed: AtomicU64,
     active: AtomicU64,
     stream_open: AtomicBool,
@@ -85,8 +86,11 @@ pub struct WorkerMetricsSnapshot {
     pub failed: u64,
     /// Jobs ended with a business error, accepted.
     pub errors_thrown: u64,
-    /// Jobs given back because they arrived while the worker was full.
+    /// Jobs given back because they arrived while the worker was full and no room
+    /// came in time.
     pub given_back_no_capacity: u64,
+    /// Jobs that arrived while the worker was full and ran once room came.
+    pub waited_for_room: u64,
     /// Jobs given back because their handler outlived the shutdown grace period.
     pub given_back_shutdown: u64,
     /// Completions, failures and error throws the gateway refused or never
@@ -154,6 +158,7 @@ impl WorkerMetrics {
             failed: c.failed.load(Relaxed),
             errors_thrown: c.errors_thrown.load(Relaxed),
             given_back_no_capacity: c.given_back_no_capacity.load(Relaxed),
+            waited_for_room: c.waited_for_room.load(Relaxed),
             given_back_shutdown: c.given_back_shutdown.load(Relaxed),
             commands_failed: c.commands_failed.load(Relaxed),
             active: c.active.load(Relaxed),
@@ -185,6 +190,10 @@ impl WorkerMetrics {
             GiveBack::Shutdown => &self.0.given_back_shutdown,
         }
         .fetch_add(1, Relaxed);
+    }
+
+    pub(crate) fn waited_for_room(&self) {
+        self.0.waited_for_room.fetch_add(1, Relaxed);
     }
 
     pub(crate) fn completed(&self) {
@@ -343,6 +352,13 @@ mod export {
                             ("shutdown", s.given_back_shutdown as f64),
                         ]
                     },
+                )?,
+                family(
+                    "courier_worker_jobs_waited_for_room_total",
+                    "Jobs that arrived while the worker was full and ran once a handler finished",
+                    COUNTER,
+                    None,
+                    |s| vec![("", s.waited_for_room as f64)],
                 )?,
                 family(
                     "courier_worker_commands_failed_total",
@@ -516,6 +532,7 @@ mod tests {
         m.completed();
         m.failed();
         m.given_back(GiveBack::NoCapacity);
+        m.waited_for_room();
         m.polled(0);
         m.polled(3);
         m.handler_took(Duration::from_micros(500));
@@ -524,7 +541,7 @@ mod tests {
         let s = m.snapshot();
         assert_eq!((s.pushed, s.polled, s.received()), (2, 1, 3));
         assert_eq!(s.handled(), 2);
-        assert_eq!(s.given_back_no_capacity, 1);
+        assert_eq!((s.given_back_no_capacity, s.waited_for_room), (1, 1));
         assert_eq!((s.polls, s.polls_empty), (2, 1));
         let h = &s.handler_duration;
         assert_eq!(h.count, 3);

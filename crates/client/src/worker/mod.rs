@@ -19,14 +19,23 @@
 //!   only pace it.
 //!
 //! # Never more than max jobs active
-//! A semaphore of max-jobs-active permits counts the jobs held, from receipt until
-//! the outcome is sent (the gateway frees the stream's credit when it arrives),
-//! whichever path they came by. A job that arrives when no
-//! permit is free (push and poll raced for the same room, or the gateway pushed
-//! beyond the stated credit) is not held: it is given back at once with
-//! `UpdateJobTimeout(key, 1 ms)`. It times out on the broker and is runnable again
-//! right away, with no retry used and no error recorded, unlike a `FailJob`, and it
-//! is counted in [`WorkerMetricsSnapshot::given_back_no_capacity`].
+//! A semaphore of max-jobs-active permits counts the jobs running, from receipt
+//! until the outcome is sent (the gateway frees the stream's credit when it
+//! arrives), whichever path they came by. A job that arrives when no permit is free
+//! (push and poll raced for the same room, or the stream was reopened while
+//! handlers still ran, so the gateway counted none of them) waits for the next
+//! free permit, up to [`WAIT_FOR_ROOM`] and never past its activation deadline
+//! (less a margin); at most max-jobs-active jobs wait. One that still finds no room
+//! is given back with `UpdateJobTimeout(key, 1 ms)`. It times out on the broker and
+//! is runnable again right away, with no retry used and no error recorded, unlike a
+//! `FailJob`, and it is counted in
+//! [`WorkerMetricsSnapshot::given_back_no_capacity`].
+//!
+//! Giving such a job back at once would make a loop: the gateway, which counts
+//! only the jobs it pushed on this stream, still sees room, so the broker pushes
+//! the job straight back, as fast as its log commits, for as long as the handlers
+//! that fill the worker run. Waiting breaks it: the waiting job holds the credit
+//! the gateway counts, so nothing more is pushed until a handler finishes.
 //!
 //! # Shutdown
 //! [`JobWorker::shutdown`] stops taking jobs (drops the stream, abandons a poll in
@@ -50,8 +59,10 @@ use crate::request::IntoJsonText;
 use crate::Client;
 use courier_proto::gateway_protocol::ActivatedJob;
 use metrics::{GiveBack, JobPath};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -253,6 +264,8 @@ impl JobWorkerBuilder {
             give_back: self.client.clone().with_retry_budget(GIVE_BACK_BUDGET),
             client: self.client,
             capacity: capacity::Capacity::new(self.config.max_jobs_active as usize),
+            waiting: std::sync::Mutex::new(VecDeque::new()),
+            last_wait: AtomicU64::new(0),
             config: self.config,
             handler: self.handler,
             reported: self.reported,
@@ -414,6 +427,21 @@ impl Drop for JobWorker {
 /// is not worth holding a shutdown for.
 const GIVE_BACK_BUDGET: Duration = Duration::from_secs(2);
 
+/// How long a job that arrived while the worker was full waits for a free permit
+/// before it is given back.
+pub const WAIT_FOR_ROOM: Duration = Duration::from_secs(1);
+
+/// A waiting job is given back this long before its activation deadline at the
+/// latest, so the give-back cannot cut short a later activation of the same job.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(200);
+
+/// A job that arrived while every permit was taken.
+struct Waiting {
+    /// Tells this wait from a later one of the same job.
+    id: u64,
+    job: ActivatedJob,
+}
+
 /// What the worker's tasks share.
 struct Ctx {
     /// Reports outcomes, with the caller's retry budget.
@@ -427,6 +455,9 @@ struct Ctx {
     /// Told of each outcome once it is answered.
     reported: Option<Reported>,
     capacity: capacity::Capacity,
+    /// Jobs waiting for a permit, oldest first; at most max jobs active.
+    waiting: std::sync::Mutex<VecDeque<Waiting>>,
+    last_wait: AtomicU64,
     metrics: WorkerMetrics,
     /// Every job task (handler, report, give-back), so shutdown can wait for them.
     tracker: TaskTracker,
@@ -437,28 +468,129 @@ struct Ctx {
 }
 
 impl Ctx {
-    /// A job arrived: hold it if there is room, give it back at once if not.
+    /// A job arrived: run it if there is room; if not, let it wait for room, or
+    /// give it back.
     fn receive(self: &Arc<Self>, job: ActivatedJob, path: JobPath) {
         self.metrics.received(path);
         match self.capacity.try_take() {
-            Some(held) => {
-                let active = self.metrics.holding();
-                self.tracker
-                    .spawn(job::run(Arc::clone(self), job, (held, active)));
+            Some(held) => self.start(job, held),
+            None => self.wait_for_room(job, path),
+        }
+    }
+
+    fn start(self: &Arc<Self>, job: ActivatedJob, held: capacity::Held) {
+        let active = self.metrics.holding();
+        self.tracker
+            .spawn(job::run(Arc::clone(self), job, (held, active)));
+    }
+
+    /// Queues a job that found no free permit; it is given back if none frees in
+    /// time (see [`WAIT_FOR_ROOM`]).
+    fn wait_for_room(self: &Arc<Self>, job: ActivatedJob, path: JobPath) {
+        let key = job.key;
+        let wait = room_wait(time_left(job.deadline));
+        let id = self.last_wait.fetch_add(1, Ordering::Relaxed) + 1;
+        let queued = match (wait, self.lock_waiting()) {
+            (Some(_), mut q) if q.len() < self.capacity.max() && !self.stop.is_cancelled() => {
+                q.push_back(Waiting { id, job });
+                true
             }
-            None => {
+            _ => false,
+        };
+        let Some(wait) = wait.filter(|_| queued) else {
+            tracing::debug!(job_key = key, ?path, "no room for the job; giving it back");
+            self.tracker
+                .spawn(job::give_back(Arc::clone(self), key, GiveBack::NoCapacity));
+            return;
+        };
+        tracing::debug!(
+            job_key = key,
+            ?path,
+            ?wait,
+            "no room for the job yet; it waits"
+        );
+        let ctx = Arc::clone(self);
+        self.tracker.spawn(async move {
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = ctx.stop.cancelled() => {}
+            }
+            let gone = {
+                let mut q = ctx.lock_waiting();
+                q.iter().position(|w| w.id == id).and_then(|i| q.remove(i))
+            };
+            if let Some(w) = gone {
                 tracing::debug!(
-                    job_key = job.key,
-                    ?path,
-                    "no room for the job; giving it back"
+                    job_key = w.job.key,
+                    "no room came for the job; giving it back"
                 );
-                self.tracker.spawn(job::give_back(
-                    Arc::clone(self),
-                    job.key,
-                    GiveBack::NoCapacity,
-                ));
+                job::give_back(Arc::clone(&ctx), w.job.key, GiveBack::NoCapacity).await;
+            }
+        });
+        // A permit may have come back since it was looked for.
+        self.pump();
+    }
+
+    /// Starts waiting jobs while there are free permits. Called whenever a permit
+    /// comes back.
+    fn pump(self: &Arc<Self>) {
+        loop {
+            if self.stop.is_cancelled() {
+                return;
+            }
+            let next = {
+                let mut q = self.lock_waiting();
+                if q.is_empty() {
+                    return;
+                }
+                let Some(held) = self.capacity.try_take() else {
+                    return;
+                };
+                q.pop_front().map(|w| (w, held))
+            };
+            if let Some((w, held)) = next {
+                self.metrics.waited_for_room();
+                self.start(w.job, held);
             }
         }
+    }
+
+    /// Jobs waiting for a permit now.
+    fn waiting(&self) -> usize {
+        self.lock_waiting().len()
+    }
+
+    fn lock_waiting(&self) -> std::sync::MutexGuard<'_, VecDeque<Waiting>> {
+        // Nothing panics while holding it; a poisoned queue is still a queue.
+        self.waiting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Time until an activation deadline given in epoch milliseconds (zero once it
+/// passed; a deadline of 0 or less is taken as unknown: no limit).
+fn time_left(deadline_ms: i64) -> Option<Duration> {
+    if deadline_ms <= 0 {
+        return None;
+    }
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    Some(Duration::from_millis(
+        u64::try_from(deadline_ms.saturating_sub(now_ms)).unwrap_or(0),
+    ))
+}
+
+/// How long a job with `left` until its deadline may wait for room: `None` when it
+/// must go back at once.
+fn room_wait(left: Option<Duration>) -> Option<Duration> {
+    match left {
+        None => Some(WAIT_FOR_ROOM),
+        Some(left) => left
+            .checked_sub(DEADLINE_MARGIN)
+            .filter(|w| !w.is_zero())
+            .map(|w| w.min(WAIT_FOR_ROOM)),
     }
 }
 
@@ -522,6 +654,33 @@ mod tests {
 
     /// Settings every poll would be refused for stop the worker before it starts,
     /// rather than having it retry for ever.
+    #[test]
+    fn a_job_waits_for_room_a_second_at_most_and_never_into_its_deadline_margin() {
+        assert_eq!(room_wait(None), Some(WAIT_FOR_ROOM));
+        assert_eq!(
+            room_wait(Some(Duration::from_secs(60))),
+            Some(WAIT_FOR_ROOM)
+        );
+        assert_eq!(
+            room_wait(Some(Duration::from_millis(700))),
+            Some(Duration::from_millis(500))
+        );
+        assert_eq!(room_wait(Some(DEADLINE_MARGIN)), None);
+        assert_eq!(room_wait(Some(Duration::ZERO)), None);
+
+        assert_eq!(time_left(0), None, "no deadline known");
+        assert_eq!(time_left(1), Some(Duration::ZERO), "long past");
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or_default();
+        let left = time_left(now_ms + 60_000).unwrap_or_default();
+        assert!(
+            left > Duration::from_secs(59) && left <= Duration::from_secs(60),
+            "{left:?}"
+        );
+    }
+
     #[tokio::test]
     async fn settings_the_gateway_would_refuse_are_refused_at_spawn() {
         let client = Client::connect("127.0.0.1:1").unwrap();

@@ -136,7 +136,8 @@ pub(super) async fn poll_loop(ctx: Arc<Ctx>, mut stream: watch::Receiver<StreamS
         }
         // Asked for at most what is free now; push may still fill that room while
         // the poll is out, and what then finds no room is given back.
-        let free = ctx.capacity.free();
+        // Room taken by jobs waiting for it is not room.
+        let free = ctx.capacity.free().saturating_sub(ctx.waiting());
         if free == 0 {
             continue;
         }
