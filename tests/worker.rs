@@ -217,11 +217,11 @@ async fn max_jobs_active_is_never_exceeded_across_push_and_poll() {
 }
 
 /// A worker whose stream is reopened (its gateway restarted) while every handler
-/// is still busy. The new stream states the worker's whole max jobs active, so the
-/// gateway pushes jobs the worker has no room for. Given back at once, each came
-/// straight back, as fast as the broker's log committed (thousands of pushes a
-/// second, for as long as the handlers ran); now they wait for room, and at most
-/// once a second go back.
+/// is still busy. The new stream used to state the worker's whole max jobs active
+/// as free, so the gateway pushed jobs the worker had no room for; given back at
+/// once, each came straight back, as fast as the broker's log committed (thousands
+/// of pushes a second, for as long as the handlers ran). Now the stream declares
+/// the jobs the worker runs, and the gateway pushes nothing until one finishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_worker_whose_stream_reopens_is_not_pushed_jobs_in_a_loop() {
     let _g = serial().await;
@@ -280,6 +280,11 @@ async fn a_full_worker_whose_stream_reopens_is_not_pushed_jobs_in_a_loop() {
     assert!(
         pushed <= 4.0 * MAX as f64,
         "{pushed} pushes to a full worker in 3 s: {s:?}"
+    );
+    assert_eq!(
+        (s.received(), s.given_back_no_capacity, s.waited_for_room),
+        (MAX as u64, 0, 0),
+        "the full worker was pushed jobs: {s:?}"
     );
 
     release.send_replace(true);

@@ -1,7 +1,7 @@
 //! [`Client`]: one channel to a gateway, the producer and worker calls, their retries.
 
 use crate::error::ClientError;
-use crate::request::{millis, IntoJsonText, StreamJobs, MAX_JOBS_ACTIVE_HEADER};
+use crate::request::{millis, IntoJsonText, StreamJobs, JOBS_HELD_HEADER, MAX_JOBS_ACTIVE_HEADER};
 use crate::retry::{with_retries, Backoff, DEFAULT_RETRY_BUDGET};
 use courier_proto::courier_v1::{self as v1, jobs_client::JobsClient};
 use courier_proto::gateway_protocol::{self as gw, gateway_client::GatewayClient};
@@ -182,6 +182,10 @@ impl Client {
         request: StreamJobs,
     ) -> Result<tonic::Streaming<gw::ActivatedJob>, ClientError> {
         let credit = request.credit();
+        // Digits, colons and commas only: always a valid header value.
+        let held = request
+            .held_header()
+            .and_then(|h| tonic::metadata::MetadataValue::try_from(h).ok());
         let message = gw::StreamActivatedJobsRequest::from(request);
         let stream = with_retries(self.backoff, self.retry_budget, || {
             let mut gateway = self.gateway.clone();
@@ -190,6 +194,11 @@ impl Client {
                 request
                     .metadata_mut()
                     .insert(MAX_JOBS_ACTIVE_HEADER, n.into());
+            }
+            if let Some(held) = &held {
+                request
+                    .metadata_mut()
+                    .insert(JOBS_HELD_HEADER, held.clone());
             }
             async move { gateway.stream_activated_jobs(request).await }
         })

@@ -65,7 +65,10 @@ pub use client::Client;
 pub use courier_proto::courier_v1::{CreateJobResponse, Job, JobState};
 pub use courier_proto::gateway_protocol::{ActivatedJob, TopologyResponse};
 pub use error::ClientError;
-pub use request::{ActivateJobs, IntoJsonText, NewJob, StreamJobs, MAX_JOBS_ACTIVE_HEADER};
+pub use request::{
+    ActivateJobs, IntoJsonText, NewJob, StreamJobs, JOBS_HELD_HEADER, MAX_DECLARED_HELD,
+    MAX_JOBS_ACTIVE_HEADER,
+};
 pub use retry::DEFAULT_RETRY_BUDGET;
 pub use worker::{
     JobOutcome, JobWorker, JobWorkerBuilder, ShutdownHandle, WorkerMetrics, WorkerMetricsSnapshot,

@@ -188,6 +188,16 @@ impl From<ActivateJobs> for gw::ActivateJobsRequest {
 /// never send it; a gateway that does not know it ignores it.
 pub const MAX_JOBS_ACTIVE_HEADER: &str = "courier-max-jobs-active";
 
+/// The metadata header that tells a Courier gateway which jobs a
+/// `StreamActivatedJobs` client holds already (from an earlier stream, or polled):
+/// `KEY:DEADLINE_MS` pairs separated by commas. The gateway counts them against the
+/// stream's credit until they finish or their deadlines pass, so it does not push
+/// jobs the worker has no room for.
+pub const JOBS_HELD_HEADER: &str = "courier-jobs-held";
+
+/// The most jobs a [`StreamJobs`] declares in [`JOBS_HELD_HEADER`] (about 8 KiB).
+pub const MAX_DECLARED_HELD: usize = 256;
+
 /// A job stream: `StreamJobs::new("payment").worker("billing").max_jobs_active(32)`.
 /// Defaults as [`ActivateJobs`]: worker `default`, a 5 minute job timeout, all
 /// variables, the `<default>` tenant, and no stated capacity (the gateway's default).
@@ -201,6 +211,9 @@ pub struct StreamJobs {
     /// Sent as [`MAX_JOBS_ACTIVE_HEADER`], not in the message: the wire message is
     /// Zeebe's and has no such field.
     max_jobs_active: Option<u32>,
+    /// (key, deadline in epoch ms) of jobs held already; sent as
+    /// [`JOBS_HELD_HEADER`].
+    held: Vec<(i64, i64)>,
 }
 
 impl StreamJobs {
@@ -213,6 +226,7 @@ impl StreamJobs {
             fetch_variables: Vec::new(),
             tenant_ids: Vec::new(),
             max_jobs_active: None,
+            held: Vec::new(),
         }
     }
 
@@ -246,9 +260,32 @@ impl StreamJobs {
         self
     }
 
+    /// Jobs this client holds already, as (job key, activation deadline in epoch
+    /// ms, as in [`ActivatedJob::deadline`](gw::ActivatedJob)): a worker reopening
+    /// its stream while handlers run. A Courier gateway counts them against the
+    /// stated credit until they finish through it or their deadlines pass. At most
+    /// [`MAX_DECLARED_HELD`] are sent.
+    pub fn jobs_held(mut self, held: impl IntoIterator<Item = (i64, i64)>) -> Self {
+        self.held = held.into_iter().take(MAX_DECLARED_HELD).collect();
+        self
+    }
+
     /// The stated credit, if any.
     pub(crate) fn credit(&self) -> Option<u32> {
         self.max_jobs_active
+    }
+
+    /// The [`JOBS_HELD_HEADER`] value, if any job is declared.
+    pub(crate) fn held_header(&self) -> Option<String> {
+        if self.held.is_empty() {
+            return None;
+        }
+        let pairs: Vec<String> = self
+            .held
+            .iter()
+            .map(|(key, deadline)| format!("{key}:{deadline}"))
+            .collect();
+        Some(pairs.join(","))
     }
 }
 

@@ -54,6 +54,11 @@ const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// credit (its max jobs active); Zeebe clients never send it.
 pub const MAX_JOBS_ACTIVE_HEADER: &str = "courier-max-jobs-active";
 
+/// Metadata header of a `StreamActivatedJobs` request: the jobs its client holds
+/// already (`KEY:DEADLINE_MS,...`), counted against its credit; see
+/// [`AggregatedStreams::join_holding`](crate::streams::AggregatedStreams::join_holding).
+pub const JOBS_HELD_HEADER: &str = "courier-jobs-held";
+
 /// At least the bytes `job` takes in an encoded ActivateJobsResponse: its strings,
 /// and for each of its 14 fields a tag, a length and at most a 10-byte varint, plus
 /// the job's own tag and length.
@@ -425,6 +430,39 @@ fn stated_credit(metadata: &tonic::metadata::MetadataMap) -> Option<u32> {
     credit
 }
 
+/// The jobs a StreamActivatedJobs request says its client holds already, from
+/// [`JOBS_HELD_HEADER`]: `KEY:DEADLINE_MS` pairs separated by commas, at most
+/// [`MAX_CLIENT_CREDIT`] of them. Entries that do not parse are skipped (logged):
+/// the header only spares the worker jobs it has no room for.
+fn declared_held(metadata: &tonic::metadata::MetadataMap) -> Vec<(i64, i64)> {
+    let Some(value) = metadata.get(JOBS_HELD_HEADER) else {
+        return Vec::new();
+    };
+    let Ok(text) = value.to_str() else {
+        tracing::debug!(
+            ?value,
+            "ignoring a {JOBS_HELD_HEADER} header that is not text"
+        );
+        return Vec::new();
+    };
+    let mut held = Vec::new();
+    let mut skipped = 0usize;
+    for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let parsed = entry.split_once(':').and_then(|(k, d)| {
+            Some((k.trim().parse::<i64>().ok()?, d.trim().parse::<i64>().ok()?))
+        });
+        match parsed {
+            Some(pair) if held.len() < MAX_CLIENT_CREDIT as usize => held.push(pair),
+            Some(_) => {}
+            None => skipped += 1,
+        }
+    }
+    if skipped > 0 {
+        tracing::debug!(skipped, "ignoring malformed {JOBS_HELD_HEADER} entries");
+    }
+    held
+}
+
 /// How long an ActivateJobs call may take: its `grpc-timeout` when it states one;
 /// otherwise long enough for its long poll (its `requestTimeout`, or the gateway's
 /// default when 0) to run its course, and never less than the default for requests.
@@ -593,10 +631,9 @@ impl Gateway for GatewayService {
             }
         };
         let (job_type, worker) = (props.job_type.clone(), props.worker.clone());
-        let client = self
-            .0
-            .streams
-            .join(props, stated_credit(request.metadata()));
+        let credit = stated_credit(request.metadata());
+        let held = declared_held(request.metadata());
+        let client = self.0.streams.join_holding(props, credit, &held);
         tracing::debug!(
             stream_id = client.stream_id(),
             credit = client.credit(),
@@ -1090,6 +1127,27 @@ mod tests {
         assert_eq!(activate_timeout(None, 0, request, poll), request);
         assert_eq!(activate_timeout(None, -1, request, poll), request);
         assert_eq!(activate_timeout(None, 500, request, poll), request);
+    }
+
+    #[test]
+    fn declared_held_jobs_are_read_and_bad_entries_skipped() {
+        let mut md = tonic::metadata::MetadataMap::new();
+        assert!(declared_held(&md).is_empty());
+        md.insert(
+            JOBS_HELD_HEADER,
+            " 11:1700000000000, x:1,12:1700000000001,13,14:-5,,"
+                .parse()
+                .unwrap(),
+        );
+        assert_eq!(
+            declared_held(&md),
+            [(11, 1_700_000_000_000), (12, 1_700_000_000_001), (14, -5)]
+        );
+        let many: Vec<String> = (0..MAX_CLIENT_CREDIT as i64 + 5)
+            .map(|k| format!("{k}:1"))
+            .collect();
+        md.insert(JOBS_HELD_HEADER, many.join(",").parse().unwrap());
+        assert_eq!(declared_held(&md).len(), MAX_CLIENT_CREDIT as usize);
     }
 
     #[test]

@@ -321,6 +321,22 @@ impl AggregatedStreams {
     /// creating (and registering with every link) the aggregated stream if it is the
     /// first. The client leaves when the returned stream is dropped.
     pub fn join(self: &Arc<Self>, props: ActivationProps, credit: Option<u32>) -> ClientStream {
+        self.join_holding(props, credit, &[])
+    }
+
+    /// [`join`](Self::join) for a client that already holds jobs `held`, as (job key,
+    /// activation deadline in epoch ms): jobs it was handed on an earlier stream
+    /// (through this gateway or another), or polled. They count against its credit,
+    /// as if pushed on this stream, until they finish through this gateway or their
+    /// deadlines pass; otherwise the stream would be pushed jobs the worker has no
+    /// room for. Jobs past their deadline, held here for another client that is
+    /// still there or in a spare room, or beyond the credit, are not counted.
+    pub fn join_holding(
+        self: &Arc<Self>,
+        props: ActivationProps,
+        credit: Option<u32>,
+        held: &[(i64, i64)],
+    ) -> ClientStream {
         let mut st = self.lock();
         // A zero-capacity channel panics; one job is the least a client can take.
         let credit = credit.unwrap_or(st.limits.client_credit).max(1);
@@ -371,6 +387,16 @@ impl AggregatedStreams {
                 starved: starved.clone(),
             },
         );
+        let adopted = st.adopt(stream_id, client_id, held);
+        if adopted > 0 {
+            tracing::debug!(
+                stream_id,
+                client_id,
+                adopted,
+                declared = held.len(),
+                "a joining client already holds jobs: counted against its credit"
+            );
+        }
         st.dirty.insert(stream_id);
         metrics::stream_clients(1);
         st.drain_spare(stream_id);
@@ -984,6 +1010,71 @@ impl State {
         self.inflight_bytes += bytes;
         metrics::inflight(1, i64::try_from(bytes).unwrap_or(i64::MAX));
         Ok(())
+    }
+
+    /// Counts jobs a joining client already holds against its credit (see
+    /// [`AggregatedStreams::join_holding`]); returns how many.
+    fn adopt(&mut self, stream_id: u64, client_id: u64, jobs: &[(i64, i64)]) -> u32 {
+        let now = Instant::now();
+        let timeout_ms = self
+            .streams
+            .get(&stream_id)
+            .map_or(0, |s| s.props.timeout_ms);
+        let mut adopted = 0;
+        for &(key, deadline_ms) in jobs {
+            let Some(client) = self.clients.get(&client_id) else {
+                break;
+            };
+            if client.held >= client.credit {
+                break;
+            }
+            let deadline = deadline_instant(deadline_ms, timeout_ms);
+            // Read after the deadline: one already past is never in the future.
+            if deadline <= Instant::now() {
+                continue;
+            }
+            match self.held.get_mut(&key) {
+                // Handed to a client that has left: its worker is back.
+                Some(h) if h.client_id != SPARE && !self.clients.contains_key(&h.client_id) => {
+                    if h.stream_id != stream_id {
+                        // Its stream's gauges counted it with the client that left.
+                        h.stream_id = stream_id;
+                    }
+                    h.client_id = client_id;
+                }
+                // Another client's, or waiting in a spare room: not this worker's.
+                Some(_) => continue,
+                None => {
+                    if self.held.len() >= self.limits.max_inflight_jobs {
+                        break;
+                    }
+                    self.held.insert(
+                        key,
+                        Held {
+                            stream_id,
+                            client_id,
+                            // No activation lease known: a broker's notice that
+                            // an activation ended does not name this one, a
+                            // finish through here or the deadline ends it.
+                            lease: 0,
+                            deadline,
+                            bytes: 0,
+                            since: now,
+                        },
+                    );
+                    self.deadlines.insert((deadline, key));
+                    metrics::inflight(1, 0);
+                }
+            }
+            if let Some(c) = self.clients.get_mut(&client_id) {
+                c.held += 1;
+            }
+            if let Some(s) = self.streams.get(&stream_id) {
+                s.gauges.add(1, -1);
+            }
+            adopted += 1;
+        }
+        adopted
     }
 
     /// Whether job `key`'s activation `lease` is held for client `client_id` (or in its
@@ -1792,6 +1883,54 @@ mod tests {
         // the one given up never does.
         drop(s.finished_here(1, Instant::now()));
         assert_eq!(keys(&mut a), [3]);
+    }
+
+    #[test]
+    fn jobs_a_joining_client_holds_already_count_against_its_credit() {
+        let s = registry(4);
+        let (l, _rx) = s.attach_link(1, hello());
+        // Another client holds job 9.
+        let mut other = s.join(t(), Some(1));
+        let id = other.stream_id();
+        assert_eq!(ack(&l, push(id, 9)), ok());
+        assert_eq!(keys(&mut other), [9]);
+        // Job 1 was handed to a client that left; its worker still runs it.
+        let mut first = s.join(t(), None);
+        assert_eq!(ack(&l, push(id, 1)), ok());
+        assert_eq!(keys(&mut first), [1]);
+        drop(first);
+
+        // The worker is back holding job 1, job 2 (polled, or from another gateway),
+        // job 3 (past its deadline) and job 9 (not its own).
+        let later = epoch_ms() + 60_000;
+        let declared = [(1, later), (2, later), (3, epoch_ms() - 1), (9, later)];
+        let mut back = s.join_holding(t(), None, &declared);
+        assert_eq!(back.stream_id(), id);
+        assert_eq!(s.inflight().0, 3, "jobs 1, 2 and 9");
+        // Two of its four are taken: two more pushes fit.
+        assert_eq!(ack(&l, push(id, 4)), ok());
+        assert_eq!(ack(&l, push(id, 5)), ok());
+        assert_eq!(ack(&l, push(id, 6)), refused(CLIENTS_FULL));
+        // A declared job finished through here frees its room ...
+        drop(s.finished_here(2, Instant::now()));
+        assert_eq!(ack(&l, push(id, 7)), ok());
+        // ... as does the end of job 1's activation, now counted for this client.
+        s.finished(1, lease(1));
+        assert_eq!(ack(&l, push(id, 8)), ok());
+        assert_eq!(ack(&l, push(id, 10)), refused(CLIENTS_FULL));
+        assert_eq!(keys(&mut back), [4, 5, 7, 8]);
+        assert!(keys(&mut other).is_empty());
+
+        // Never more than its credit, and a declared job's deadline ends its hold.
+        let s = registry(2);
+        let (l, _rx) = s.attach_link(1, hello());
+        let soon = epoch_ms() + 1_000;
+        let c = s.join_holding(t(), None, &[(1, soon), (2, later), (3, later)]);
+        assert_eq!(s.inflight().0, 2);
+        assert_eq!(ack(&l, push(c.stream_id(), 4)), refused(CLIENTS_FULL));
+        s.sweep(Instant::now() + Duration::from_secs(2));
+        assert_eq!(ack(&l, push(c.stream_id(), 4)), ok());
+        assert_eq!(ack(&l, push(c.stream_id(), 5)), refused(CLIENTS_FULL));
     }
 
     #[test]

@@ -36,6 +36,7 @@ pub(super) async fn run(ctx: Arc<Ctx>, job: ActivatedJob, hold: (Held, ActiveGua
         }
     };
     let (held, active) = hold;
+    ctx.ran(key);
     match outcome {
         Some(outcome) => {
             ctx.metrics.handler_took(started.elapsed());

@@ -4,7 +4,9 @@
 //!
 //! # How jobs arrive
 //! - **Push.** The worker keeps one `StreamActivatedJobs` stream open, stating its
-//!   capacity in the `courier-max-jobs-active` header. When the stream fails (a
+//!   capacity in the `courier-max-jobs-active` header, and the jobs it holds
+//!   already (opened again while handlers run) in `courier-jobs-held`, which the
+//!   gateway counts against that capacity. When the stream fails (a
 //!   gateway restart, the network, `UNIMPLEMENTED` from a gateway without push) it
 //!   is reopened after a jittered back-off (50 ms doubling to 5 s), forever.
 //! - **Poll.** Beside it, whenever the worker has free room, it polls `ActivateJobs`
@@ -22,8 +24,8 @@
 //! A semaphore of max-jobs-active permits counts the jobs running, from receipt
 //! until the outcome is sent (the gateway frees the stream's credit when it
 //! arrives), whichever path they came by. A job that arrives when no permit is free
-//! (push and poll raced for the same room, or the stream was reopened while
-//! handlers still ran, so the gateway counted none of them) waits for the next
+//! (push and poll raced for the same room, or the gateway does not count the jobs
+//! a reopened stream declares) waits for the next
 //! free permit, up to [`WAIT_FOR_ROOM`] and never past its activation deadline
 //! (less a margin); at most max-jobs-active jobs wait. One that still finds no room
 //! is given back with `UpdateJobTimeout(key, 1 ms)`. It times out on the broker and
@@ -59,7 +61,7 @@ use crate::request::IntoJsonText;
 use crate::Client;
 use courier_proto::gateway_protocol::ActivatedJob;
 use metrics::{GiveBack, JobPath};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -265,6 +267,7 @@ impl JobWorkerBuilder {
             client: self.client,
             capacity: capacity::Capacity::new(self.config.max_jobs_active as usize),
             waiting: std::sync::Mutex::new(VecDeque::new()),
+            running: std::sync::Mutex::new(HashMap::new()),
             last_wait: AtomicU64::new(0),
             config: self.config,
             handler: self.handler,
@@ -457,6 +460,9 @@ struct Ctx {
     capacity: capacity::Capacity,
     /// Jobs waiting for a permit, oldest first; at most max jobs active.
     waiting: std::sync::Mutex<VecDeque<Waiting>>,
+    /// Key -> activation deadline (epoch ms) of each job being run, declared when
+    /// the stream is reopened.
+    running: std::sync::Mutex<HashMap<i64, i64>>,
     last_wait: AtomicU64,
     metrics: WorkerMetrics,
     /// Every job task (handler, report, give-back), so shutdown can wait for them.
@@ -479,6 +485,7 @@ impl Ctx {
     }
 
     fn start(self: &Arc<Self>, job: ActivatedJob, held: capacity::Held) {
+        lock(&self.running).insert(job.key, job.deadline);
         let active = self.metrics.holding();
         self.tracker
             .spawn(job::run(Arc::clone(self), job, (held, active)));
@@ -555,17 +562,36 @@ impl Ctx {
         }
     }
 
+    /// Job `key`'s handler is done (or dropped): it is no longer run here.
+    fn ran(&self, key: i64) {
+        lock(&self.running).remove(&key);
+    }
+
     /// Jobs waiting for a permit now.
     fn waiting(&self) -> usize {
         self.lock_waiting().len()
     }
 
-    fn lock_waiting(&self) -> std::sync::MutexGuard<'_, VecDeque<Waiting>> {
-        // Nothing panics while holding it; a poisoned queue is still a queue.
-        self.waiting
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    /// (key, deadline) of every job held now, running or waiting for room: what a
+    /// reopened stream declares, so its gateway does not push into room it lacks.
+    fn jobs_held(&self) -> Vec<(i64, i64)> {
+        let mut held: Vec<(i64, i64)> = lock(&self.running).iter().map(|(&k, &d)| (k, d)).collect();
+        held.extend(
+            self.lock_waiting()
+                .iter()
+                .map(|w| (w.job.key, w.job.deadline)),
+        );
+        held
     }
+
+    fn lock_waiting(&self) -> std::sync::MutexGuard<'_, VecDeque<Waiting>> {
+        lock(&self.waiting)
+    }
+}
+
+/// Nothing panics while these locks are held; a poisoned one still holds good data.
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Time until an activation deadline given in epoch milliseconds (zero once it

@@ -42,7 +42,9 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, state: watch::Sender<StreamState>
     let mut quiet = false;
     loop {
         let opened = tokio::select! {
-            r = ctx.once.stream_activated_jobs(request.clone()) => r,
+            // Jobs still held from an earlier stream (or polled) are declared, so
+            // the gateway counts them against this one's credit.
+            r = ctx.once.stream_activated_jobs(request.clone().jobs_held(ctx.jobs_held())) => r,
             () = ctx.stop.cancelled() => return,
         };
         match opened {
