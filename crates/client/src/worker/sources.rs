@@ -141,6 +141,8 @@ pub(super) async fn poll_loop(ctx: Arc<Ctx>, mut stream: watch::Receiver<StreamS
         // Room taken by jobs waiting for it is not room.
         let free = ctx.capacity.free().saturating_sub(ctx.waiting());
         if free == 0 {
+            // A permit that just came back is about to go to a waiting job.
+            tokio::task::yield_now().await;
             continue;
         }
         let beside_stream = *stream.borrow() != StreamState::Down;
