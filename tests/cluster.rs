@@ -450,6 +450,38 @@ async fn bad_input_gets_the_status_zeebe_clients_expect() {
         code(c.update_job_retries(key, 0).await),
         Some(Code::InvalidArgument)
     );
+    // Oversized text: a worker name is refused; a long error message is cut, not
+    // refused, so the failure is recorded; a message over what the Zeebe API takes
+    // (4 MiB of variables and a little) is refused before it is read whole.
+    assert_eq!(
+        code(
+            c.activate_jobs(ActivateJobs::new("t").worker("w".repeat(9000)))
+                .await
+        ),
+        Some(Code::InvalidArgument)
+    );
+    let jobs = c
+        .activate_jobs(ActivateJobs::new("t").max_jobs(1))
+        .await
+        .expect("activate");
+    let k = jobs.first().expect("a job").key;
+    assert_eq!(
+        code(
+            c.fail_job(k, 1, "m".repeat(5 * 1024 * 1024), Duration::ZERO)
+                .await
+        ),
+        Some(Code::OutOfRange)
+    );
+    c.fail_job(k, 1, "m".repeat(100_000), Duration::ZERO)
+        .await
+        .expect("a long message is cut, not refused");
+    let kept = c.get_job(k).await.expect("get").error_message;
+    assert!(
+        kept.len() <= 32 * 1024 && kept.ends_with("the message was 100000 bytes]"),
+        "{} bytes: ...{}",
+        kept.len(),
+        &kept[kept.len().saturating_sub(60)..]
+    );
     // Nothing panicked: the gateway still serves.
     c.topology().await.expect("topology");
 }

@@ -37,9 +37,13 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::server::NamedService;
 
-/// Largest client message accepted: a CreateJob may carry 4 MiB of variables plus
-/// headers, and CreateJobs many of them.
+/// Largest message accepted by Courier's job API: a CreateJob may carry 4 MiB of
+/// variables plus headers, and CreateJobs many of them.
 const MAX_CLIENT_MESSAGE: usize = 64 * 1024 * 1024;
+/// Largest message accepted by the Zeebe gateway API: the largest valid one is a
+/// CompleteJob, FailJob or ThrowError with 4 MiB of variables. Zeebe's gateway takes
+/// at most 4 MiB; a larger message is refused before it is read whole.
+const MAX_ZEEBE_MESSAGE: usize = courier_proto::domain::MAX_VARIABLES_BYTES + 64 * 1024;
 /// HTTP/2 pings on client connections, so dead workers' connections are closed.
 const CLIENT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const CLIENT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
@@ -155,7 +159,7 @@ pub async fn serve(
     // stay uncompressed, where compression would only add latency.
     let gateway = service::JobApiOnly(
         GatewayServer::new(service::GatewayService(shared.clone()))
-            .max_decoding_message_size(MAX_CLIENT_MESSAGE)
+            .max_decoding_message_size(MAX_ZEEBE_MESSAGE)
             .accept_compressed(tonic::codec::CompressionEncoding::Gzip),
     );
     let jobs = JobsServer::new(service::JobsService(shared))

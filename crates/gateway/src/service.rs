@@ -430,6 +430,16 @@ fn stated_credit(metadata: &tonic::metadata::MetadataMap) -> Option<u32> {
     credit
 }
 
+/// A client's text as a log field: at most its first 128 bytes (a type or worker
+/// name of megabytes is refused, but its span is made before that).
+fn loggable(text: &str) -> &str {
+    let mut end = text.len().min(128);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 /// The jobs a StreamActivatedJobs request says its client holds already, from
 /// [`JOBS_HELD_HEADER`]: `KEY:DEADLINE_MS` pairs separated by commas, at most
 /// [`MAX_CLIENT_CREDIT`] of them. Entries that do not parse are skipped (logged):
@@ -557,8 +567,8 @@ impl Gateway for GatewayService {
         ));
         let span = tracing::info_span!(
             "ActivateJobs",
-            job_type = %req.r#type,
-            worker = %req.worker,
+            job_type = %loggable(&req.r#type),
+            worker = %loggable(&req.worker),
             max_jobs = req.max_jobs_to_activate,
             request_timeout = req.request_timeout,
         );
@@ -637,8 +647,8 @@ impl Gateway for GatewayService {
         tracing::debug!(
             stream_id = client.stream_id(),
             credit = client.credit(),
-            job_type,
-            worker,
+            job_type = loggable(&job_type),
+            worker = loggable(&worker),
             "stream client joined"
         );
         // Tonic drops the stream when the client goes away, and with it the client
@@ -705,8 +715,7 @@ impl Gateway for GatewayService {
         let since = Instant::now();
         let deadline = self.0.deadline(&request);
         let r = request.into_inner();
-        let span =
-            tracing::info_span!("ThrowError", job_key = r.job_key, error_code = %r.error_code);
+        let span = tracing::info_span!("ThrowError", job_key = r.job_key, error_code = %loggable(&r.error_code));
         unary("ThrowError", span, async {
             // A request that is not valid finishes nothing: the worker still holds
             // the job. A valid one means the worker is done with it: its credit
@@ -912,7 +921,7 @@ impl Jobs for JobsService {
     ) -> Result<Response<v1::CreateJobResponse>, Status> {
         let deadline = self.0.deadline(&request);
         let r = request.into_inner();
-        let span = tracing::info_span!("CreateJob", job_type = %r.r#type);
+        let span = tracing::info_span!("CreateJob", job_type = %loggable(&r.r#type));
         unary("CreateJob", span, async {
             let job = convert::create_request(&r).map_err(invalid)?;
             let (keys, partition) = self.0.create(vec![job], deadline).await?;

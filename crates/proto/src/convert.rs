@@ -46,6 +46,7 @@ fn activation_props(
     tenants: &[String],
 ) -> Result<ActivationProps, String> {
     validate::non_blank("type", job_type)?;
+    validate::at_most("worker", worker, MAX_WORKER_BYTES)?;
     let timeout_ms = validate::positive_ms("timeout", timeout)?;
     let mut fetch_variables = fetch.to_vec();
     fetch_variables.sort();
@@ -70,7 +71,7 @@ pub fn fail_request(r: &gw::FailJobRequest) -> Result<Command, String> {
     Ok(Command::Fail {
         key: JobKey(r.job_key),
         retries: r.retries,
-        error_message: r.error_message.clone(),
+        error_message: validate::error_message(&r.error_message),
         // As in Zeebe, a back-off that is not positive is none: the job is runnable
         // again at once.
         retry_backoff_ms: r.retry_back_off.max(0),
@@ -78,12 +79,14 @@ pub fn fail_request(r: &gw::FailJobRequest) -> Result<Command, String> {
     })
 }
 
-/// As in Zeebe, any error code is taken, an empty one too.
+/// As in Zeebe, any error code is taken, an empty one too, up to
+/// [`MAX_ERROR_CODE_BYTES`].
 pub fn throw_error_request(r: &gw::ThrowErrorRequest) -> Result<Command, String> {
+    validate::at_most("errorCode", &r.error_code, MAX_ERROR_CODE_BYTES)?;
     Ok(Command::ThrowError {
         key: JobKey(r.job_key),
         error_code: r.error_code.clone(),
-        error_message: r.error_message.clone(),
+        error_message: validate::error_message(&r.error_message),
         variables: validate::optional_json_object("variables", &r.variables)?,
     })
 }
@@ -219,6 +222,53 @@ pub fn stream_props(p: &crate::cluster::StreamProps) -> Result<ActivationProps, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn worker_names_error_codes_and_error_messages_are_bounded() {
+        let long_worker = "w".repeat(MAX_WORKER_BYTES + 1);
+        let e = activate_request(&activate("t", &long_worker, 1000, 1)).unwrap_err();
+        assert!(e.starts_with("worker is 8193 bytes"), "{e}");
+        let stream = gw::StreamActivatedJobsRequest {
+            r#type: "t".into(),
+            worker: long_worker,
+            timeout: 1000,
+            ..Default::default()
+        };
+        assert!(stream_request(&stream)
+            .unwrap_err()
+            .starts_with("worker is"));
+        let fits = "w".repeat(MAX_WORKER_BYTES);
+        assert!(activate_request(&activate("t", &fits, 1000, 1)).is_ok());
+
+        let throw = |code: String| gw::ThrowErrorRequest {
+            job_key: 1,
+            error_code: code,
+            error_message: "m".repeat(MAX_ERROR_MESSAGE_BYTES * 3),
+            ..Default::default()
+        };
+        let e = throw_error_request(&throw("c".repeat(MAX_ERROR_CODE_BYTES + 1))).unwrap_err();
+        assert!(e.starts_with("errorCode is"), "{e}");
+        match throw_error_request(&throw("c".repeat(MAX_ERROR_CODE_BYTES))) {
+            Ok(Command::ThrowError { error_message, .. }) => {
+                assert!(error_message.len() <= MAX_ERROR_MESSAGE_BYTES);
+                assert!(error_message.ends_with("bytes]"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let fail = gw::FailJobRequest {
+            job_key: 1,
+            retries: 1,
+            error_message: "m".repeat(MAX_ERROR_MESSAGE_BYTES + 1),
+            ..Default::default()
+        };
+        match fail_request(&fail) {
+            Ok(Command::Fail { error_message, .. }) => {
+                assert!(error_message.len() <= MAX_ERROR_MESSAGE_BYTES);
+                assert!(error_message.contains("cut: the message was 32769 bytes"));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 
     fn activate(t: &str, w: &str, timeout: i64, max: i32) -> gw::ActivateJobsRequest {
         gw::ActivateJobsRequest {

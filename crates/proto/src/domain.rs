@@ -15,6 +15,17 @@ pub const MAX_VARIABLES_BYTES: usize = 4 * 1024 * 1024;
 /// handed out, and would time out and come back for ever); 64 KiB are left for the
 /// worker's name, the numbers and the framing.
 pub const MAX_JOB_BYTES: usize = MAX_VARIABLES_BYTES - 64 * 1024;
+/// Longest worker name an activation or a stream may give: an activated job carries
+/// it beside its own text, in the 64 KiB that [`MAX_JOB_BYTES`] leaves.
+pub const MAX_WORKER_BYTES: usize = 8 * 1024;
+/// Longest error code a thrown error may give (codes are names, matched by BPMN
+/// error events).
+pub const MAX_ERROR_CODE_BYTES: usize = 8 * 1024;
+/// Longest error message a job keeps: a longer one (a whole log, by mistake) is cut
+/// to this, at a character boundary, and says so, rather than refused, which would
+/// leave the failure unrecorded. Every failure writes its message to the log and
+/// replicates it, and `GetJob` answers it beside the job.
+pub const MAX_ERROR_MESSAGE_BYTES: usize = 32 * 1024;
 /// Retries of a job created without an explicit count.
 pub const DEFAULT_RETRIES: i32 = 3;
 

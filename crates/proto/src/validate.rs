@@ -1,7 +1,7 @@
 //! Checks on client input. Each failure is a message for INVALID_ARGUMENT that
 //! names the field and what was wrong with it.
 
-use crate::domain::{DEFAULT_TENANT, MAX_VARIABLES_BYTES};
+use crate::domain::{DEFAULT_TENANT, MAX_ERROR_MESSAGE_BYTES, MAX_VARIABLES_BYTES};
 
 /// A job type, worker name or error code must not be blank.
 pub fn non_blank(field: &str, value: &str) -> Result<(), String> {
@@ -10,6 +10,32 @@ pub fn non_blank(field: &str, value: &str) -> Result<(), String> {
     } else {
         Ok(())
     }
+}
+
+/// A text field must not be longer than `max` bytes.
+pub fn at_most(field: &str, value: &str, max: usize) -> Result<(), String> {
+    if value.len() > max {
+        Err(format!(
+            "{field} is {} bytes, more than the limit of {max} bytes",
+            value.len()
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// An error message as a job keeps it: cut to [`MAX_ERROR_MESSAGE_BYTES`] at a
+/// character boundary, with a note of its full length, when longer.
+pub fn error_message(message: &str) -> String {
+    if message.len() <= MAX_ERROR_MESSAGE_BYTES {
+        return message.to_string();
+    }
+    let note = format!(" [... cut: the message was {} bytes]", message.len());
+    let mut end = MAX_ERROR_MESSAGE_BYTES.saturating_sub(note.len());
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{note}", &message[..end])
 }
 
 /// A document that stands for no variables: empty, blank, or the JSON `null` (as
@@ -129,6 +155,33 @@ pub fn positive_ms(field: &str, ms: i64) -> Result<i64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_error_messages_are_cut_at_a_character_boundary_and_say_so() {
+        assert_eq!(error_message("boom"), "boom");
+        let fits = "x".repeat(MAX_ERROR_MESSAGE_BYTES);
+        assert_eq!(error_message(&fits), fits);
+        // Two-byte characters: no cut may split one.
+        let long = "é".repeat(MAX_ERROR_MESSAGE_BYTES);
+        let cut = error_message(&long);
+        assert!(cut.len() <= MAX_ERROR_MESSAGE_BYTES, "{}", cut.len());
+        assert!(cut.len() > MAX_ERROR_MESSAGE_BYTES - 64, "{}", cut.len());
+        assert!(cut.starts_with("éé"));
+        assert!(
+            cut.ends_with(&format!(" [... cut: the message was {} bytes]", long.len())),
+            "{}",
+            &cut[cut.len() - 60..]
+        );
+    }
+
+    #[test]
+    fn text_fields_have_a_limit() {
+        assert_eq!(at_most("worker", "w", 1), Ok(()));
+        assert_eq!(
+            at_most("worker", "ww", 1),
+            Err("worker is 2 bytes, more than the limit of 1 bytes".to_string())
+        );
+    }
 
     #[test]
     fn json_objects() {

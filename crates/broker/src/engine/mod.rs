@@ -566,24 +566,7 @@ impl State {
                 self.expect_activated(*key, "fail")?;
                 // The job runs again with the variables merged in: it must still fit
                 // in the message that hands it out.
-                let merged = match variables {
-                    Some(v) => {
-                        let job = self.job_mut(*key, "fail")?;
-                        let merged = merge_objects(&job.variables, v);
-                        let bytes = job_text_bytes(
-                            &job.job_type,
-                            &job.tenant_id,
-                            &merged,
-                            &job.custom_headers,
-                            &job.process,
-                        );
-                        if bytes > MAX_JOB_BYTES {
-                            return Err(BrokerError::InvalidArgument(job_too_large(bytes)));
-                        }
-                        Some(merged)
-                    }
-                    None => None,
-                };
+                let merged = self.merged_variables(*key, variables.as_deref(), "fail")?;
                 self.end_activation(*key, effects);
                 self.unindex(*key);
                 let job = self.job_mut(*key, "fail")?;
@@ -612,13 +595,17 @@ impl State {
                 variables,
             } => {
                 self.expect_activated(*key, "throw an error for")?;
+                // Kept with the variables merged in, as a failed job is: they must
+                // fit the same bound, so the job can still be read (GetJob).
+                let merged =
+                    self.merged_variables(*key, variables.as_deref(), "throw an error for")?;
                 self.end_activation(*key, effects);
                 self.unindex(*key);
                 let job = self.job_mut(*key, "throw an error for")?;
                 job.error_code = error_code.clone();
                 job.error_message = error_message.clone();
-                if let Some(v) = variables {
-                    job.variables = merge_objects(&job.variables, v);
+                if let Some(merged) = merged {
+                    job.variables = merged;
                 }
                 job.status = JobStatus::ErrorThrown;
                 changes.insert(*key);
@@ -809,6 +796,32 @@ impl State {
         if let Some(JobStatus::Activated { lease, .. }) = self.jobs.get(&key).map(|j| &j.status) {
             effects.push(Effect::Finished { key, lease: *lease });
         }
+    }
+
+    /// Job `key`'s variables with `variables` merged in (`None` when there are none
+    /// to merge), refused when the job would then be over [`MAX_JOB_BYTES`].
+    fn merged_variables(
+        &mut self,
+        key: JobKey,
+        variables: Option<&str>,
+        action: &str,
+    ) -> Result<Option<String>, BrokerError> {
+        let Some(v) = variables else {
+            return Ok(None);
+        };
+        let job = self.job_mut(key, action)?;
+        let merged = merge_objects(&job.variables, v);
+        let bytes = job_text_bytes(
+            &job.job_type,
+            &job.tenant_id,
+            &merged,
+            &job.custom_headers,
+            &job.process,
+        );
+        if bytes > MAX_JOB_BYTES {
+            return Err(BrokerError::InvalidArgument(job_too_large(bytes)));
+        }
+        Ok(Some(merged))
     }
 
     fn lease_of(&self, key: JobKey) -> u64 {

@@ -362,6 +362,39 @@ fn fail_whose_variables_would_make_the_job_too_large_is_refused_and_changes_noth
 }
 
 #[test]
+fn a_thrown_error_whose_variables_would_make_the_job_too_large_is_refused_and_changes_nothing() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    activate(&mut s, T0, "a", 1);
+    let big = format!("{{\"big\":\"{}\"}}", "x".repeat(MAX_JOB_BYTES));
+    let (reply, effects, changes) = run(
+        &mut s,
+        T0 + 5,
+        Command::ThrowError {
+            key: k,
+            error_code: "E".into(),
+            error_message: "boom".into(),
+            variables: Some(big),
+        },
+    );
+    assert!(
+        matches!(&reply, Err(BrokerError::InvalidArgument(m)) if m.contains("4 MiB")),
+        "{reply:?}"
+    );
+    assert!(effects.is_empty() && changes.is_empty());
+    let j = s.job(k).expect("job");
+    assert!(
+        matches!(j.status, JobStatus::Activated { .. }),
+        "{:?}",
+        j.status
+    );
+    assert_eq!(
+        (j.error_code.as_str(), j.variables.as_str()),
+        ("", r#"{"a":1,"b":2}"#)
+    );
+}
+
+#[test]
 fn fail_with_backoff_waits_then_recur_makes_it_runnable() {
     let mut s = State::new(P);
     let k = create(&mut s, "a");
