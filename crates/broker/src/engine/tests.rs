@@ -331,67 +331,45 @@ fn fail_with_retries_and_no_backoff_is_runnable_at_once() {
 }
 
 #[test]
-fn fail_whose_variables_would_make_the_job_too_large_is_refused_and_changes_nothing() {
-    let mut s = State::new(P);
-    let k = create(&mut s, "a");
-    activate(&mut s, T0, "a", 1);
+fn fail_or_thrown_error_whose_variables_would_make_the_job_too_large_is_refused_and_changes_nothing(
+) {
     let big = format!("{{\"big\":\"{}\"}}", "x".repeat(MAX_JOB_BYTES));
-    let (reply, effects, changes) = run(
-        &mut s,
-        T0 + 5,
-        Command::Fail {
-            key: k,
+    let commands = [
+        |key, variables| Command::Fail {
+            key,
             retries: 2,
             error_message: "boom".into(),
             retry_backoff_ms: 0,
-            variables: Some(big),
+            variables,
         },
-    );
-    assert!(
-        matches!(&reply, Err(BrokerError::InvalidArgument(m)) if m.contains("4 MiB")),
-        "{reply:?}"
-    );
-    assert!(effects.is_empty() && changes.is_empty());
-    let j = s.job(k).expect("job");
-    assert!(
-        matches!(j.status, JobStatus::Activated { .. }),
-        "{:?}",
-        j.status
-    );
-    assert_eq!(j.variables, r#"{"a":1,"b":2}"#);
-}
-
-#[test]
-fn a_thrown_error_whose_variables_would_make_the_job_too_large_is_refused_and_changes_nothing() {
-    let mut s = State::new(P);
-    let k = create(&mut s, "a");
-    activate(&mut s, T0, "a", 1);
-    let big = format!("{{\"big\":\"{}\"}}", "x".repeat(MAX_JOB_BYTES));
-    let (reply, effects, changes) = run(
-        &mut s,
-        T0 + 5,
-        Command::ThrowError {
-            key: k,
+        |key, variables| Command::ThrowError {
+            key,
             error_code: "E".into(),
             error_message: "boom".into(),
-            variables: Some(big),
+            variables,
         },
-    );
-    assert!(
-        matches!(&reply, Err(BrokerError::InvalidArgument(m)) if m.contains("4 MiB")),
-        "{reply:?}"
-    );
-    assert!(effects.is_empty() && changes.is_empty());
-    let j = s.job(k).expect("job");
-    assert!(
-        matches!(j.status, JobStatus::Activated { .. }),
-        "{:?}",
-        j.status
-    );
-    assert_eq!(
-        (j.error_code.as_str(), j.variables.as_str()),
-        ("", r#"{"a":1,"b":2}"#)
-    );
+    ];
+    for command in commands {
+        let mut s = State::new(P);
+        let k = create(&mut s, "a");
+        activate(&mut s, T0, "a", 1);
+        let (reply, effects, changes) = run(&mut s, T0 + 5, command(k, Some(big.clone())));
+        assert!(
+            matches!(&reply, Err(BrokerError::InvalidArgument(m)) if m.contains("4 MiB")),
+            "{reply:?}"
+        );
+        assert!(effects.is_empty() && changes.is_empty());
+        let j = s.job(k).expect("job");
+        assert!(
+            matches!(j.status, JobStatus::Activated { .. }),
+            "{:?}",
+            j.status
+        );
+        assert_eq!(
+            (j.error_message.as_str(), j.variables.as_str()),
+            ("", r#"{"a":1,"b":2}"#)
+        );
+    }
 }
 
 #[test]
