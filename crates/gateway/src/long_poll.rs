@@ -3,8 +3,9 @@
 //!
 //! Per job type, the parked requests wait in line, oldest first. A notice for a
 //! (type, tenant) wakes one of them, the oldest that wants the tenant: one request
-//! visits the partitions for it, not every parked one at once, and parked requests
-//! take turns. A woken request that fills its batch passes the turn on (there may be
+//! visits the partitions for it, not every parked one at once. A request that takes
+//! jobs is answered and leaves the line; one that finds none (another took them)
+//! parks again in its old place. A woken request that fills its batch passes the turn on (there may be
 //! more), and so does one that goes away before it has looked. A notice that finds
 //! no parked request for its tenant is kept, and the next request of the type that
 //! parks and wants the tenant looks again at once instead: a request subscribes
@@ -203,11 +204,21 @@ impl Waiter {
                 self.unserved = Some(Notice { tenant, partition });
                 return true;
             }
-            t.parked.push_back(ParkedWaiter {
-                id: self.id,
-                tenants: Arc::clone(&self.tenants),
-                wake: tx,
-            });
+            // In line by arrival: a request that was woken and found nothing (the
+            // job went to another) parks again in its old place, not at the back.
+            let place = t
+                .parked
+                .iter()
+                .position(|w| w.id > self.id)
+                .unwrap_or(t.parked.len());
+            t.parked.insert(
+                place,
+                ParkedWaiter {
+                    id: self.id,
+                    tenants: Arc::clone(&self.tenants),
+                    wake: tx,
+                },
+            );
         }
         let rx = self.wake.insert(rx);
         let parked = Parked::new(&self.queue);
@@ -369,7 +380,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn parked_waiters_take_turns_oldest_first() {
+    async fn parked_waiters_are_served_oldest_first_and_keep_their_place_when_they_find_nothing() {
         let q = LongPollQueue::new();
         let turns = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
@@ -378,22 +389,26 @@ mod tests {
             tasks.push(tokio::spawn(async move {
                 let mut w = q.subscribe("t", &tenants(&[T]));
                 let token = CancellationToken::new();
-                // Woken, it looks (finding one job, not a full batch) and parks again.
+                // Woken, it looks: the first time it finds nothing (another request
+                // took the job) and parks again; the second time it takes a job, is
+                // answered and leaves.
+                let mut looks = 0;
                 while w.wait(secs(100), &token).await {
                     w.visited();
                     turns.lock().unwrap().push(name);
+                    looks += 1;
+                    if looks == 2 {
+                        break;
+                    }
                 }
             }));
             settle().await;
         }
-        for _ in 0..7 {
+        for _ in 0..6 {
             q.notify("t", T, None);
             settle().await;
         }
-        assert_eq!(
-            *turns.lock().unwrap(),
-            vec!["a", "b", "c", "a", "b", "c", "a"]
-        );
+        assert_eq!(*turns.lock().unwrap(), vec!["a", "a", "b", "b", "c", "c"]);
         for t in tasks {
             t.abort();
         }
