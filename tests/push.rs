@@ -307,6 +307,34 @@ async fn failed_and_timed_out_jobs_are_pushed_again() {
     wait_pushed_active(&cluster, 0.0).await;
 }
 
+/// A stream whose activations last 1 ms: each pushed job times out before its
+/// worker can answer and is pushed again. That cycle is paced by the leader's
+/// timer rounds (10 a second), not run as fast as the log commits (thousands of
+/// pushes a second before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_activation_is_shorter_than_a_round_trip_is_not_pushed_in_a_tight_loop() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::one_broker(1)).await;
+    let c = cluster.client();
+    let mut s = open_stream(&cluster.gateway_addr, "tiny", Duration::from_millis(1)).await;
+    wait_registered(&cluster, 1.0).await;
+    c.create_job(NewJob::new("tiny")).await.expect("create");
+    next(&mut s).await;
+    let pushes = || cluster.broker_metric("courier_broker_push_attempts_total");
+    let before = pushes().await;
+    let window = Instant::now();
+    // Watched for a while: what is measured is the pace of a loop.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let pushed = pushes().await - before;
+    let took = window.elapsed().as_secs_f64();
+    eprintln!("{pushed} pushes in {took:.2} s");
+    assert!(pushed >= 2.0, "the job is still pushed again: {pushed}");
+    assert!(
+        pushed <= 15.0 * took,
+        "{pushed} pushes in {took:.2} s of one job"
+    );
+}
+
 /// Waits until the leaders track `n` pushed jobs whose activation has not ended.
 async fn wait_pushed_active(cluster: &Cluster, n: f64) {
     wait_broker_metric(cluster, "courier_broker_pushed_jobs_active", n).await;

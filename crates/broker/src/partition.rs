@@ -53,6 +53,12 @@ const COMPLETION_HOLD: Duration = Duration::from_millis(3);
 const BUSY_LOOKBACK: Duration = Duration::from_millis(6);
 /// Most timed-out or recurring jobs handled in one command.
 const MAX_TIMER_KEYS: usize = 1000;
+/// Least time between two rounds of timeouts and back-offs ended (unless the last
+/// round was full): deadlines and back-offs end up to this late, and a job whose
+/// activation lasts less than a round trip (a 1 ms timeout) cycles at most this
+/// often between timing out and being pushed again, instead of as fast as the log
+/// commits. Zeebe checks its deadlines once a second.
+const TIMER_PACE: Duration = Duration::from_millis(100);
 /// Most jobs pushed per back-fill round (one log entry); a round is also bounded by
 /// the stream's free credit.
 const BACKFILL_BATCH: u32 = 512;
@@ -1703,6 +1709,7 @@ async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
             )
         };
         let mut proposed = false;
+        let full = timeouts.len() >= MAX_TIMER_KEYS || retries.len() >= MAX_TIMER_KEYS;
         let timeouts = (!timeouts.is_empty()).then(|| LogCommand::TimeOut {
             push: p.targets_for_keys(&timeouts),
             keys: timeouts,
@@ -1722,6 +1729,14 @@ async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
             }
         }
         if proposed {
+            // More may be due at once only if the round was cut short.
+            if !full {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(TIMER_PACE) => {}
+                    r = metrics_rx.changed() => if r.is_err() { return },
+                }
+            }
             continue;
         }
         let wait = next.map(|t| (t - now).clamp(1, 1000)).unwrap_or(1000);
