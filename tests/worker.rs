@@ -295,6 +295,67 @@ async fn a_full_worker_whose_stream_reopens_is_not_pushed_jobs_in_a_loop() {
     worker.shutdown().await;
 }
 
+/// A gateway killed (not stopped) while the worker's handlers run: after the lost
+/// gateway grace a broker checks the jobs handed out through it, and asks the
+/// gateways that are linked whether any holds them. The worker's stream, reopened
+/// on the restarted gateway, declared them, so they are left with it and none runs
+/// twice. A Zeebe client, which declares nothing, has them run again elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_a_worker_runs_across_a_gateway_crash_are_not_run_again() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts {
+        // Long enough for the worker's stream to be back before the check.
+        lost_gateway_grace: Some("3s"),
+        ..ClusterOpts::one_broker(1)
+    })
+    .await;
+    let c = cluster.client();
+    let (release, released) = tokio::sync::watch::channel(false);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = runs.clone();
+        move |_job: ActivatedJob| {
+            let (runs, mut released) = (runs.clone(), released.clone());
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let _ = released.wait_for(|r| *r).await;
+                Ok::<_, String>(JobOutcome::complete())
+            }
+        }
+    };
+    let keys = create(&c, "w-crash", 2).await;
+    let worker = JobWorker::builder(c.clone(), "w-crash", handler)
+        .timeout(Duration::from_secs(60))
+        .spawn()
+        .unwrap();
+    wait_until(Duration::from_secs(10), "both jobs run", || async {
+        runs.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    cluster.kill_gateway(0);
+    cluster.start_gateway(0);
+    wait_until(
+        Duration::from_secs(15),
+        "the broker checked the jobs handed out through the lost gateway",
+        || async {
+            cluster
+                .broker_metric("courier_broker_reconciled_pushes_total")
+                .await
+                >= 2.0
+        },
+    )
+    .await;
+    let s = worker.metrics().snapshot();
+    assert_eq!(s.stream_opens, 2, "{s:?}");
+    release.send_replace(true);
+    all_completed(&c, &keys, Duration::from_secs(20)).await;
+    let s = worker.metrics().snapshot();
+    eprintln!("{s:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "a job ran twice: {s:?}");
+    assert_eq!((s.completed, s.commands_failed), (2, 0), "{s:?}");
+    worker.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shutdown_with_jobs_in_flight_loses_none() {
     let _g = serial().await;

@@ -131,6 +131,10 @@ pub struct Limits {
 /// [`Held::client_id`] of a job in its stream's spare room (client ids start at 1).
 const SPARE: u64 = 0;
 
+/// [`Held::lease`] of a job a joining client declared it holds (leases start at 1;
+/// the client does not know which activation it holds).
+const DECLARED: u64 = 0;
+
 /// A pushed job waiting in a client's buffer, with what a yield needs.
 struct Buffered {
     /// Boxed: jobs are moved from buffer to buffer; the box keeps that cheap.
@@ -485,7 +489,9 @@ impl AggregatedStreams {
 
     /// Which of the activations a broker asks about this gateway holds: handed to
     /// a client (which may have left since: its worker may still finish the job) or
-    /// waiting in a client's buffer, under the same lease; or with a completion,
+    /// waiting in a client's buffer, under the same lease; declared held by a client
+    /// that joined (under any lease: see [`join_holding`](Self::join_holding)); or
+    /// with a completion,
     /// failure or thrown error on its way through here. A job waiting in a stream's
     /// spare room is given up instead: the broker asking makes it runnable again,
     /// whereas a yield from here would go to the broker that pushed it, which may be
@@ -498,6 +504,10 @@ impl AggregatedStreams {
         for j in q.jobs {
             let (holds, spare) = match st.held.get(&j.key) {
                 Some(h) if h.lease == j.lease => (true, h.client_id == SPARE),
+                // A worker that came back (its gateway restarted, say) runs it: the
+                // activation asked about is the one it was handed, or the job would
+                // not be activated through a gateway that is gone.
+                Some(h) if h.lease == DECLARED => (true, false),
                 _ => (false, false),
             };
             if spare {
@@ -1056,7 +1066,7 @@ impl State {
                             // No activation lease known: a broker's notice that
                             // an activation ended does not name this one, a
                             // finish through here or the deadline ends it.
-                            lease: 0,
+                            lease: DECLARED,
                             deadline,
                             bytes: 0,
                             since: now,
@@ -1920,6 +1930,11 @@ mod tests {
         assert_eq!(ack(&l, push(id, 10)), refused(CLIENTS_FULL));
         assert_eq!(keys(&mut back), [4, 5, 7, 8]);
         assert!(keys(&mut other).is_empty());
+        // A broker asking about a job a client declared hears that it is held here,
+        // whatever the lease (the client cannot know it).
+        let mut again = s.join_holding(props("u", &[], &[]), None, &[(20, later)]);
+        assert_eq!(held_of(&s, &[(20, 77), (21, 78)]), [20]);
+        assert!(keys(&mut again).is_empty());
 
         // Never more than its credit, and a declared job's deadline ends its hold.
         let s = registry(2);
