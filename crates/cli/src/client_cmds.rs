@@ -1,7 +1,6 @@
 //! `courier job ...` and `courier status`: thin commands over [`courier_client::Client`].
 //! Errors come back as `CODE: message` (the client's error text), which `main` prints.
 
-use anyhow::Context;
 use courier_client::{ActivateJobs, ActivatedJob, Client, Job, JobState, NewJob, TopologyResponse};
 use courier_proto::gateway_protocol::partition::{PartitionBrokerHealth, PartitionBrokerRole};
 use futures::StreamExt;
@@ -178,7 +177,15 @@ pub async fn job(opts: ClientOpts, cmd: JobCmd) -> anyhow::Result<()> {
                 new_job = new_job.tenant_id(t);
             }
             if count == 1 {
-                let created = client.create_job(new_job).await?;
+                let created = client.create_job(new_job).await.map_err(|e| {
+                    let unknown = e.outcome_unknown();
+                    let e = anyhow::Error::new(e);
+                    if unknown {
+                        e.context(MAYBE_CREATED)
+                    } else {
+                        e
+                    }
+                })?;
                 if json {
                     out!(
                         "{}",
@@ -313,6 +320,11 @@ pub async fn status(opts: ClientOpts) -> anyhow::Result<()> {
 /// Creates `count` copies of `job` in batches, a few batches in flight, and prints
 /// the rate. A person watching (stderr is a terminal) sees a progress bar meanwhile;
 /// scripts and logs get only the summary.
+/// Said of a create whose answer was lost: it is not retried (that could create the
+/// job twice), and it may have been carried out.
+const MAYBE_CREATED: &str =
+    "the connection broke before the answer: the job may have been created (look for it before creating it again)";
+
 async fn create_many(client: &Client, job: NewJob, count: u32, json: bool) -> anyhow::Result<()> {
     let progress = std::io::stderr()
         .is_terminal()
@@ -331,7 +343,16 @@ async fn create_many(client: &Client, job: NewJob, count: u32, json: bool) -> an
     let mut created = 0usize;
     while let Some(result) = results.next().await {
         // Earlier batches are committed; say how far it got.
-        let batch = result.with_context(|| format!("after creating {created} of {count} jobs"));
+        let batch = result.map_err(|e| {
+            let unknown = e.outcome_unknown();
+            let e =
+                anyhow::Error::new(e).context(format!("after creating {created} of {count} jobs"));
+            if unknown {
+                e.context(MAYBE_CREATED)
+            } else {
+                e
+            }
+        });
         let batch = match batch {
             Ok(keys) => keys.len(),
             Err(e) => {

@@ -257,11 +257,16 @@ fn print_outcome(
             JobOutcome::Fail { .. } => "failed",
             JobOutcome::ThrowError { .. } => "errorThrown",
         };
+        // The connection broke while the outcome was out: it may have been recorded.
+        let unknown = e.outcome_unknown();
         if json {
+            let recorded = if unknown { Value::Null } else { json!(false) };
             report!(
                 "{}",
-                json!({"key": key, "outcome": what, "recorded": false, "error": e.to_string()})
+                json!({"key": key, "outcome": what, "recorded": recorded, "error": e.to_string()})
             );
+        } else if unknown {
+            report!("job {key} {what} by its handler, not known whether recorded: {e}");
         } else {
             report!("job {key} {what} by its handler, not recorded: {e}");
         }

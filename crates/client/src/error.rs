@@ -28,6 +28,17 @@ impl From<tonic::Status> for ClientError {
 }
 
 impl ClientError {
+    /// Whether the call may have been carried out although it failed: the
+    /// connection broke while it was out (`UNKNOWN`, as tonic reports a transport
+    /// error mid-call), it was cancelled, or its deadline passed. A refusal, or an
+    /// `UNAVAILABLE` for a gateway that could not be reached, did nothing.
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(
+            self.code(),
+            Some(Code::Unknown | Code::Cancelled | Code::DeadlineExceeded)
+        )
+    }
+
     /// The gRPC code of a `Status` error; `None` for `Connect`.
     pub fn code(&self) -> Option<Code> {
         match self {
@@ -90,6 +101,18 @@ pub fn code_name(code: Code) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_broken_connection_or_a_passed_deadline_leaves_the_outcome_unknown() {
+        let of = |code| ClientError::from(tonic::Status::new(code, "x")).outcome_unknown();
+        assert!(of(Code::Unknown) && of(Code::Cancelled) && of(Code::DeadlineExceeded));
+        assert!(!of(Code::NotFound) && !of(Code::InvalidArgument) && !of(Code::Unavailable));
+        let connect = ClientError::Connect {
+            addr: "x".into(),
+            reason: "y".into(),
+        };
+        assert!(!connect.outcome_unknown());
+    }
 
     #[test]
     fn status_errors_read_like_grpc() {

@@ -128,6 +128,9 @@ fn refused_outcome(code: Option<tonic::Code>) -> &'static str {
         Some(tonic::Code::FailedPrecondition) => {
             "the outcome was not recorded: the job is no longer activated (its activation timed out and it waits to run again, or it failed)"
         }
+        Some(tonic::Code::Unknown | tonic::Code::Cancelled | tonic::Code::DeadlineExceeded) => {
+            "could not tell whether the outcome was recorded (the connection broke or the call timed out); if it was not, the job runs again after its timeout"
+        }
         _ => "could not report the job's outcome; it runs again after its timeout",
     }
 }
