@@ -139,6 +139,11 @@ pub const REPLICATED_FLUSH_INTERVAL: Duration = Duration::from_millis(50);
 /// the least fjall accepts.
 const MAX_JOURNALING_BYTES: u64 = 64 * 1024 * 1024;
 
+/// The most a keyspace's memtable holds before it is flushed to a table (fjall's
+/// default is 64 MiB). Log entries and jobs live briefly (compacted away after a
+/// snapshot, deleted when completed), so a memtable is mostly data already gone.
+const MAX_MEMTABLE_BYTES: u64 = 16 * 1024 * 1024;
+
 /// A broker's fjall database and its syncer.
 #[derive(Clone)]
 pub struct Db {
@@ -193,7 +198,9 @@ impl Db {
     }
 
     pub(crate) fn keyspace(&self, name: &str) -> Result<Keyspace, fjall::Error> {
-        self.db.keyspace(name, KeyspaceCreateOptions::default)
+        self.db.keyspace(name, || {
+            KeyspaceCreateOptions::default().max_memtable_size(MAX_MEMTABLE_BYTES)
+        })
     }
 
     pub(crate) fn database(&self) -> &Database {
