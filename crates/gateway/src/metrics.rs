@@ -16,6 +16,7 @@ struct Metrics {
     long_poll_parked: IntGauge,
     broker_retries: IntCounterVec,
     leader_changes: IntCounterVec,
+    leader_reports: IntCounterVec,
     broker_links: IntGauge,
     jobs_activated: IntCounter,
     aggregated_streams: IntGauge,
@@ -79,6 +80,14 @@ fn build() -> prometheus::Result<Metrics> {
                 "courier_gateway_leader_changes_total",
                 "Partitions whose leader the gateway learned anew, by source: round (a \
                  topology round), hint (a NotLeader answer), claim (the leader said so)",
+            ),
+            &["source"],
+        )?,
+        leader_reports: IntCounterVec::new(
+            Opts::new(
+                "courier_gateway_leader_reports_total",
+                "Word of a partition's leader from a broker, whether or not it was news, by \
+                 source: hint (a NotLeader answer naming it), claim (the leader said so)",
             ),
             &["source"],
         )?,
@@ -169,12 +178,13 @@ fn build() -> prometheus::Result<Metrics> {
         )?,
     };
     let registry = prometheus::default_registry();
-    let collectors: [Box<dyn prometheus::core::Collector>; 22] = [
+    let collectors: [Box<dyn prometheus::core::Collector>; 23] = [
         Box::new(m.requests.clone()),
         Box::new(m.request_duration.clone()),
         Box::new(m.long_poll_parked.clone()),
         Box::new(m.broker_retries.clone()),
         Box::new(m.leader_changes.clone()),
+        Box::new(m.leader_reports.clone()),
         Box::new(m.broker_links.clone()),
         Box::new(m.jobs_activated.clone()),
         Box::new(m.aggregated_streams.clone()),
@@ -256,6 +266,13 @@ pub fn broker_retry(reason: &'static str) {
 pub fn leader_changed(source: &'static str, n: u64) {
     if let Some(m) = METRICS.as_ref() {
         m.leader_changes.with_label_values(&[source]).inc_by(n);
+    }
+}
+
+/// Counts a broker's word of a partition's leader (`claim` or `hint`), news or not.
+pub fn leader_reported(source: &'static str) {
+    if let Some(m) = METRICS.as_ref() {
+        m.leader_reports.with_label_values(&[source]).inc();
     }
 }
 

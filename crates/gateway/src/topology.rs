@@ -290,12 +290,16 @@ impl Topology {
 
     /// Applies a NotLeader answer (see [`ClusterView::hint`]).
     pub fn hint(&self, partition: PartitionId, from: NodeId, leader: Option<NodeId>) {
+        if leader.is_some() {
+            metrics::leader_reported("hint");
+        }
         self.update_leaders("hint", |view| view.hint(partition, from, leader));
     }
 
     /// Applies a broker's own word that it leads `partition` in `term` (see
     /// [`ClusterView::claim`]).
     pub fn claim(&self, partition: PartitionId, node: NodeId, term: u64) {
+        metrics::leader_reported("claim");
         self.update_leaders("claim", |view| {
             view.claim(partition, node, term);
         });
