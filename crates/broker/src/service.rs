@@ -54,9 +54,9 @@ fn partition(partitions: &Partitions, id: u32) -> Result<&Arc<Partition>, Status
         .ok_or_else(|| Status::not_found(format!("partition {id} is not hosted on this broker")))
 }
 
-/// A leader's append-entries or a candidate's vote request (`vote` names the
-/// sender) reached replica `p`: the peer answers, and `p` stands for no election
-/// before an election timeout from now.
+/// A leader's append-entries (`vote` names the sender) reached replica `p`: the
+/// peer answers, and `p` stands for no election before an election timeout from
+/// now.
 fn heard_from(peers: &crate::raft::PeerChannels, p: &Partition, vote: &openraft::Vote<u64>) {
     if let Some(sender) = vote.leader_id().voted_for() {
         peers.heard_from(sender);
@@ -81,8 +81,18 @@ async fn serve_raft_call(
         Ok(RaftCall::Vote) => {
             let rpc: VoteRequest<u64> =
                 codec::decode(&frame.payload).map_err(|e| malformed("vote request", e))?;
-            heard_from(peers, p, &rpc.vote);
-            encode(&p.raft.vote(rpc).await)
+            if let Some(sender) = rpc.vote.leader_id().voted_for() {
+                peers.heard_from(sender);
+            }
+            let reply = p.raft.vote(rpc).await;
+            // As Raft has it, only a vote granted holds this replica's own election
+            // back. A candidate refused (its log is behind this one's) would
+            // otherwise, standing again and again, keep the replica that can win
+            // from ever standing: no leader for as long as the old one is down.
+            if matches!(&reply, Ok(r) if r.vote_granted) {
+                p.heard_from_leader_at(std::time::Instant::now());
+            }
+            encode(&reply)
         }
         Ok(RaftCall::Elect) => {
             let rpc: ElectRequest =
@@ -271,6 +281,11 @@ impl Drop for LinkGuard {
             return;
         }
         if !gateway.is_empty() {
+            tracing::warn!(
+                %gateway,
+                link = self.link.id,
+                "gateway link lost without the gateway saying it leaves (it died, or was cut off)"
+            );
             let mark = self.registry.hellos();
             for p in self.partitions.values() {
                 p.gateway_lost(gateway.clone(), mark);
