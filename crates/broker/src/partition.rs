@@ -332,7 +332,7 @@ impl Partition {
             .vote
             .leader_id()
             .get_term();
-        tracing::info!(term, "leading: telling the gateways");
+        tracing::info!(partition = self.id.0, term, "leading: telling the gateways");
         // No link: no gateway to tell (they learn it from their next round).
         let _ = self.notices.send(BrokerMessage {
             kind: Some(broker_message::Kind::Leading(Leading {
