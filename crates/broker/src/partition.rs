@@ -25,7 +25,7 @@ use openraft::ServerState;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -89,10 +89,7 @@ const HELD_QUERY_BATCH: usize = 4096;
 
 /// The leader's wall clock in epoch ms; decided before proposing, never in apply.
 pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    courier_proto::domain::epoch_ms()
 }
 
 struct Proposal {

@@ -177,15 +177,10 @@ pub async fn job(opts: ClientOpts, cmd: JobCmd) -> anyhow::Result<()> {
                 new_job = new_job.tenant_id(t);
             }
             if count == 1 {
-                let created = client.create_job(new_job).await.map_err(|e| {
-                    let unknown = e.outcome_unknown();
-                    let e = anyhow::Error::new(e);
-                    if unknown {
-                        e.context(MAYBE_CREATED)
-                    } else {
-                        e
-                    }
-                })?;
+                let created = client
+                    .create_job(new_job)
+                    .await
+                    .map_err(|e| create_failed(e, None))?;
                 if json {
                     out!(
                         "{}",
@@ -325,6 +320,20 @@ pub async fn status(opts: ClientOpts) -> anyhow::Result<()> {
 const MAYBE_CREATED: &str =
     "the connection broke before the answer: the job may have been created (look for it before creating it again)";
 
+/// A failed create as reported: with `context`, and the warning of
+/// [`MAYBE_CREATED`] when its answer was lost.
+fn create_failed(e: courier_client::ClientError, context: Option<String>) -> anyhow::Error {
+    let unknown = e.outcome_unknown();
+    let mut e = anyhow::Error::new(e);
+    if let Some(c) = context {
+        e = e.context(c);
+    }
+    if unknown {
+        e = e.context(MAYBE_CREATED);
+    }
+    e
+}
+
 async fn create_many(client: &Client, job: NewJob, count: u32, json: bool) -> anyhow::Result<()> {
     let progress = std::io::stderr()
         .is_terminal()
@@ -344,14 +353,7 @@ async fn create_many(client: &Client, job: NewJob, count: u32, json: bool) -> an
     while let Some(result) = results.next().await {
         // Earlier batches are committed; say how far it got.
         let batch = result.map_err(|e| {
-            let unknown = e.outcome_unknown();
-            let e =
-                anyhow::Error::new(e).context(format!("after creating {created} of {count} jobs"));
-            if unknown {
-                e.context(MAYBE_CREATED)
-            } else {
-                e
-            }
+            create_failed(e, Some(format!("after creating {created} of {count} jobs")))
         });
         let batch = match batch {
             Ok(keys) => keys.len(),

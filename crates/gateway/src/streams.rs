@@ -55,7 +55,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 use tokio::sync::{mpsc, watch, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -1046,10 +1046,8 @@ impl State {
             match self.held.get_mut(&key) {
                 // Handed to a client that has left: its worker is back.
                 Some(h) if h.client_id != SPARE && !self.clients.contains_key(&h.client_id) => {
-                    if h.stream_id != stream_id {
-                        // Its stream's gauges counted it with the client that left.
-                        h.stream_id = stream_id;
-                    }
+                    // Its old stream's gauges let it go with the client that left.
+                    h.stream_id = stream_id;
                     h.client_id = client_id;
                 }
                 // Another client's, or waiting in a spare room: not this worker's.
@@ -1430,10 +1428,7 @@ fn deadline_instant(deadline_ms: i64, timeout_ms: i64) -> Instant {
     if deadline_ms <= 0 {
         return instant_in(timeout_ms);
     }
-    let now_ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
-    instant_in(deadline_ms.saturating_sub(now_ms))
+    instant_in(deadline_ms.saturating_sub(courier_proto::domain::epoch_ms()))
 }
 
 /// `ms` from now; now if negative.
@@ -1629,12 +1624,7 @@ mod tests {
         key as u64 + 500
     }
 
-    fn epoch_ms() -> i64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as i64
-    }
+    use courier_proto::domain::epoch_ms;
 
     fn hello() -> GatewayMessage {
         GatewayMessage {

@@ -102,6 +102,14 @@ impl ProcessContext {
     }
 }
 
+/// The wall clock in epoch milliseconds, as job deadlines are given (0 if the clock
+/// reads before 1970).
+pub fn epoch_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
 /// Bytes of a job's own text, as [`MAX_JOB_BYTES`] counts them.
 pub fn job_text_bytes(
     job_type: &str,

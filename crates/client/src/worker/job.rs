@@ -111,7 +111,7 @@ async fn report(ctx: &Ctx, key: i64, job_retries: i32, outcome: JobOutcome) {
         Ok(()) => count(&ctx.metrics),
         Err(e) => {
             ctx.metrics.command_failed();
-            tracing::warn!(job_key = key, error = %e, "{}", refused_outcome(e.code()));
+            tracing::warn!(job_key = key, error = %e, "{}", refused_outcome(e));
         }
     }
     if let (Some(reported), Some(outcome)) = (&ctx.reported, kept) {
@@ -120,16 +120,16 @@ async fn report(ctx: &Ctx, key: i64, job_retries: i32, outcome: JobOutcome) {
 }
 
 /// What a refused outcome means for the job, by the refusal's code.
-fn refused_outcome(code: Option<tonic::Code>) -> &'static str {
-    match code {
+fn refused_outcome(e: &ClientError) -> &'static str {
+    if e.outcome_unknown() {
+        return "could not tell whether the outcome was recorded (the connection broke or the call timed out); if it was not, the job runs again after its timeout";
+    }
+    match e.code() {
         Some(tonic::Code::NotFound) => {
             "the outcome was not recorded: the job is gone (completed, its error thrown or canceled, perhaps by another run of it after its activation timed out)"
         }
         Some(tonic::Code::FailedPrecondition) => {
             "the outcome was not recorded: the job is no longer activated (its activation timed out and it waits to run again, or it failed)"
-        }
-        Some(tonic::Code::Unknown | tonic::Code::Cancelled | tonic::Code::DeadlineExceeded) => {
-            "could not tell whether the outcome was recorded (the connection broke or the call timed out); if it was not, the job runs again after its timeout"
         }
         _ => "could not report the job's outcome; it runs again after its timeout",
     }

@@ -492,19 +492,12 @@ impl Ctx {
     }
 
     /// Queues a job that found no free permit; it is given back if none frees in
-    /// time (see [`WAIT_FOR_ROOM`]).
+    /// time (see [`WAIT_FOR_ROOM`]), or at once when it cannot wait.
     fn wait_for_room(self: &Arc<Self>, job: ActivatedJob, path: JobPath) {
         let key = job.key;
-        let wait = room_wait(time_left(job.deadline));
         let id = self.last_wait.fetch_add(1, Ordering::Relaxed) + 1;
-        let queued = match (wait, self.lock_waiting()) {
-            (Some(_), mut q) if q.len() < self.capacity.max() && !self.stop.is_cancelled() => {
-                q.push_back(Waiting { id, job });
-                true
-            }
-            _ => false,
-        };
-        let Some(wait) = wait.filter(|_| queued) else {
+        let wait = room_wait(time_left(job.deadline)).filter(|_| self.queue(id, job));
+        let Some(wait) = wait else {
             tracing::debug!(job_key = key, ?path, "no room for the job; giving it back");
             self.tracker
                 .spawn(job::give_back(Arc::clone(self), key, GiveBack::NoCapacity));
@@ -523,19 +516,26 @@ impl Ctx {
                 () = ctx.stop.cancelled() => {}
             }
             let gone = {
-                let mut q = ctx.lock_waiting();
+                let mut q = lock(&ctx.waiting);
                 q.iter().position(|w| w.id == id).and_then(|i| q.remove(i))
             };
-            if let Some(w) = gone {
-                tracing::debug!(
-                    job_key = w.job.key,
-                    "no room came for the job; giving it back"
-                );
-                job::give_back(Arc::clone(&ctx), w.job.key, GiveBack::NoCapacity).await;
+            if gone.is_some() {
+                tracing::debug!(job_key = key, "no room came for the job; giving it back");
+                job::give_back(Arc::clone(&ctx), key, GiveBack::NoCapacity).await;
             }
         });
         // A permit may have come back since it was looked for.
         self.pump();
+    }
+
+    /// Puts `job` in line for a permit, unless the line is full or the worker stops.
+    fn queue(&self, id: u64, job: ActivatedJob) -> bool {
+        let mut q = lock(&self.waiting);
+        let room = q.len() < self.capacity.max() && !self.stop.is_cancelled();
+        if room {
+            q.push_back(Waiting { id, job });
+        }
+        room
     }
 
     /// Starts waiting jobs while there are free permits. Called whenever a permit
@@ -546,7 +546,7 @@ impl Ctx {
                 return;
             }
             let next = {
-                let mut q = self.lock_waiting();
+                let mut q = lock(&self.waiting);
                 if q.is_empty() {
                     return;
                 }
@@ -569,7 +569,7 @@ impl Ctx {
 
     /// Jobs waiting for a permit now.
     fn waiting(&self) -> usize {
-        self.lock_waiting().len()
+        lock(&self.waiting).len()
     }
 
     /// (key, deadline) of every job held now, running or waiting for room: what a
@@ -577,15 +577,11 @@ impl Ctx {
     fn jobs_held(&self) -> Vec<(i64, i64)> {
         let mut held: Vec<(i64, i64)> = lock(&self.running).iter().map(|(&k, &d)| (k, d)).collect();
         held.extend(
-            self.lock_waiting()
+            lock(&self.waiting)
                 .iter()
                 .map(|w| (w.job.key, w.job.deadline)),
         );
         held
-    }
-
-    fn lock_waiting(&self) -> std::sync::MutexGuard<'_, VecDeque<Waiting>> {
-        lock(&self.waiting)
     }
 }
 
@@ -600,11 +596,8 @@ fn time_left(deadline_ms: i64) -> Option<Duration> {
     if deadline_ms <= 0 {
         return None;
     }
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
     Some(Duration::from_millis(
-        u64::try_from(deadline_ms.saturating_sub(now_ms)).unwrap_or(0),
+        u64::try_from(deadline_ms.saturating_sub(courier_proto::domain::epoch_ms())).unwrap_or(0),
     ))
 }
 
@@ -696,11 +689,7 @@ mod tests {
 
         assert_eq!(time_left(0), None, "no deadline known");
         assert_eq!(time_left(1), Some(Duration::ZERO), "long past");
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as i64)
-            .unwrap_or_default();
-        let left = time_left(now_ms + 60_000).unwrap_or_default();
+        let left = time_left(courier_proto::domain::epoch_ms() + 60_000).unwrap_or_default();
         assert!(
             left > Duration::from_secs(59) && left <= Duration::from_secs(60),
             "{left:?}"
