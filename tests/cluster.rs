@@ -384,6 +384,47 @@ async fn a_restarted_broker_catches_up_through_a_snapshot() {
     assert_eq!(n.len(), keys.len());
 }
 
+/// A leader leaves the news that an entry committed for its next message to each
+/// follower (openraft 0.9 sends it alone and waits for the answer before the next
+/// entry). Followers still apply every entry: the next entry or, once writes stop,
+/// the next heartbeat carries it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_apply_every_entry_though_a_commit_alone_waits_for_the_next_message() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let c = cluster.client();
+    for _ in 0..30 {
+        c.create_job(NewJob::new("news")).await.expect("create");
+    }
+    let left = cluster
+        .broker_metric("courier_broker_raft_commit_news_deferred_total")
+        .await;
+    assert!(left > 0.0, "no commit news was left for a later message");
+    wait_until(
+        Duration::from_secs(3),
+        "every replica applied as far as its leader",
+        || async {
+            let mut applied: std::collections::BTreeMap<u32, Vec<u64>> = Default::default();
+            for id in 1..=3 {
+                let Some(t) = cluster.broker_topology(id).await else {
+                    return false;
+                };
+                for p in t.partitions {
+                    applied
+                        .entry(p.partition_id)
+                        .or_default()
+                        .push(p.last_applied);
+                }
+            }
+            applied.len() == 3
+                && applied
+                    .values()
+                    .all(|v| v.len() == 3 && v.iter().all(|a| *a == v[0]))
+        },
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_the_status_zeebe_clients_expect() {
     let _g = serial().await;

@@ -101,6 +101,26 @@ pub static RAFT_STREAMS_OPENED: LazyLock<IntCounter> = LazyLock::new(|| {
     )))
 });
 
+/// Append-entries this broker received as a follower, by whether they carried
+/// entries (`some`) or only a leader's heartbeat or commit index (`none`).
+pub static APPENDS_RECEIVED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    register(built(IntCounterVec::new(
+        Opts::new(
+            "courier_broker_raft_appends_received_total",
+            "Append-entries received from leaders, by whether they carried entries (some) or only a heartbeat or commit index (none)",
+        ),
+        &["entries"],
+    )))
+});
+
+/// News of a commit alone that a leader left for its next message to a follower.
+pub static COMMIT_NEWS_LEFT: LazyLock<IntCounter> = LazyLock::new(|| {
+    register(built(IntCounter::new(
+        "courier_broker_raft_commit_news_deferred_total",
+        "Append-entries carrying only a new commit index that a leader did not send, leaving the news to its next message to that follower",
+    )))
+});
+
 /// Times this broker noticed it had stood still (see `drive_elections`).
 pub static PAUSES: LazyLock<IntCounter> = LazyLock::new(|| {
     register(built(IntCounter::new(
@@ -377,6 +397,8 @@ mod tests {
         super::CREATE_TO_PUSH.observe(0.001);
         super::PEERS_UNREACHABLE.add(0);
         super::PEER_CALLS_UNREACHABLE.inc_by(0);
+        super::APPENDS_RECEIVED.with_label_values(&["none"]).inc();
+        super::COMMIT_NEWS_LEFT.inc_by(0);
         let names: Vec<String> = prometheus::gather()
             .iter()
             .map(|f| f.name().to_string())
@@ -384,6 +406,8 @@ mod tests {
         for n in [
             "courier_broker_batch_commands",
             "courier_broker_commit_seconds",
+            "courier_broker_raft_appends_received_total",
+            "courier_broker_raft_commit_news_deferred_total",
             "courier_broker_partition_leader",
             "courier_broker_pushed_jobs_active",
             "courier_broker_peers_unreachable",

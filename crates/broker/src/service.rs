@@ -76,6 +76,13 @@ async fn serve_raft_call(
             let rpc: AppendEntriesRequest<TypeConfig> = codec::decode(&frame.payload)
                 .map_err(|e| malformed("append-entries request", e))?;
             heard_from(peers, p, &rpc.vote);
+            metrics::APPENDS_RECEIVED
+                .with_label_values(&[if rpc.entries.is_empty() {
+                    "none"
+                } else {
+                    "some"
+                }])
+                .inc();
             encode(&p.raft.append_entries(rpc).await)
         }
         Ok(RaftCall::Vote) => {
