@@ -1426,15 +1426,8 @@ async fn run_yields(p: Arc<Partition>, shutdown: CancellationToken) {
 /// offered to the registered streams. When a gateway does not answer, all are left
 /// to their deadlines: running a job twice is worse than running it late.
 async fn reconcile_pushes(p: Arc<Partition>, term: u64) {
-    loop {
-        if p.leading_term() != Some(term) {
-            return;
-        }
-        let applied = p.shared.read().last_applied;
-        if applied.is_some_and(|id| id.leader_id.term == term) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+    if !caught_up_in(&p, term).await {
+        return;
     }
     let earlier = p.shared.read().state.pushed_before(term);
     if earlier.is_empty() {
@@ -1463,6 +1456,30 @@ async fn reconcile_pushes(p: Arc<Partition>, term: u64) {
     };
     if p.leading_term() == Some(term) {
         yield_lost(&p, lost).await;
+    }
+}
+
+/// Waits until this replica, leading in `term`, has applied an entry of that term,
+/// and with it every entry of earlier leaders (a follower may not have heard of
+/// the last commits before it was elected). False once it no longer leads in `term`.
+async fn caught_up_in(p: &Partition, term: u64) -> bool {
+    loop {
+        let applied = p.shared.applied.notified();
+        tokio::pin!(applied);
+        applied.as_mut().enable();
+        if p.leading_term() != Some(term) {
+            return false;
+        }
+        if p.shared
+            .read()
+            .last_applied
+            .is_some_and(|id| id.leader_id.term == term)
+        {
+            return true;
+        }
+        // Woken by the next entry applied; the role is looked at again at least
+        // this often.
+        let _ = tokio::time::timeout(Duration::from_millis(10), applied).await;
     }
 }
 
@@ -1648,6 +1665,22 @@ impl Partition {
     }
 }
 
+/// Run by a replica once it begins to lead in `term` and has applied what earlier
+/// leaders committed: parked polls may have missed notices while leadership moved,
+/// and streams registered earlier may have a backlog here now.
+async fn offer_backlog(p: Arc<Partition>, term: u64) {
+    if !caught_up_in(&p, term).await {
+        return;
+    }
+    for notice in p.activatable_notices() {
+        // No receiver (no gateway linked) is fine.
+        let _ = p.notices.send(notice);
+    }
+    for props in p.registry.all_props() {
+        p.backfill(props);
+    }
+}
+
 /// While leader: proposes TimeOut for activations past their deadline and Recur
 /// for jobs past their retry back-off. Apply re-checks both against the entry's time.
 async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
@@ -1677,19 +1710,14 @@ async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
                 tokio::select! {
                     _ = stop.cancelled() => {}
                     _ = async {
-                        tokio::join!(reconcile_pushes(q.clone(), term), reclaim_orphans(q, term))
+                        tokio::join!(
+                            reconcile_pushes(q.clone(), term),
+                            reclaim_orphans(q.clone(), term),
+                            offer_backlog(q, term),
+                        )
                     } => {}
                 }
             });
-            // Parked polls may have missed notices while leadership moved, and streams
-            // registered earlier may have a backlog here now.
-            for notice in p.activatable_notices() {
-                // No receiver (no gateway linked) is fine.
-                let _ = p.notices.send(notice);
-            }
-            for props in p.registry.all_props() {
-                p.backfill(props);
-            }
         }
         let applied = p.shared.applied.notified();
         tokio::pin!(applied);
