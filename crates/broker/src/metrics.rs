@@ -369,6 +369,96 @@ pub static CREATE_TO_PUSH: LazyLock<Histogram> = LazyLock::new(|| {
     )))
 });
 
+/// A partition replica whose log position the scrape reads: the last log index and
+/// the last applied index, or `None` once the replica is gone.
+pub type PositionSource = Box<dyn Fn() -> Option<(u64, u64)> + Send + Sync>;
+
+struct Replica {
+    node: String,
+    partition: String,
+    read: PositionSource,
+}
+
+static REPLICAS: std::sync::Mutex<Vec<Replica>> = std::sync::Mutex::new(Vec::new());
+
+const LOG_INDEX: (&str, &str) = (
+    "courier_broker_partition_log_index",
+    "The last index in this replica's Raft log of the partition",
+);
+const APPLIED_INDEX: (&str, &str) = (
+    "courier_broker_partition_applied_index",
+    "The last log index this replica of the partition has applied: a follower behind its leader's shows how far it lags",
+);
+
+fn position_gauge((name, help): (&str, &str)) -> IntGaugeVec {
+    built(IntGaugeVec::new(
+        Opts::new(name, help),
+        &["node", "partition"],
+    ))
+}
+
+/// Reads the log positions of the replicas when `/metrics` is scraped, not at
+/// every entry.
+struct Positions {
+    descs: Vec<prometheus::core::Desc>,
+}
+
+impl Collector for Positions {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        let (log, applied) = (position_gauge(LOG_INDEX), position_gauge(APPLIED_INDEX));
+        let mut replicas = REPLICAS.lock().unwrap_or_else(|e| e.into_inner());
+        replicas.retain(|r| match (r.read)() {
+            Some((last_log, last_applied)) => {
+                let labels = [r.node.as_str(), r.partition.as_str()];
+                log.with_label_values(&labels)
+                    .set(i64::try_from(last_log).unwrap_or(i64::MAX));
+                applied
+                    .with_label_values(&labels)
+                    .set(i64::try_from(last_applied).unwrap_or(i64::MAX));
+                true
+            }
+            None => false,
+        });
+        let mut out = log.collect();
+        out.extend(applied.collect());
+        out
+    }
+}
+
+static POSITIONS: LazyLock<()> = LazyLock::new(|| {
+    let descs = [LOG_INDEX, APPLIED_INDEX]
+        .into_iter()
+        .flat_map(|d| {
+            position_gauge(d)
+                .desc()
+                .into_iter()
+                .cloned()
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    if let Err(e) = prometheus::default_registry().register(Box::new(Positions { descs })) {
+        tracing::warn!(error = %e, "metric not registered");
+    }
+});
+
+/// Reports the log positions of replica `partition` on broker `node` on
+/// `/metrics` while `read` answers.
+pub fn track_positions(node: u64, partition: u32, read: PositionSource) {
+    LazyLock::force(&POSITIONS);
+    REPLICAS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(Replica {
+            node: node.to_string(),
+            partition: partition.to_string(),
+            read,
+        });
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -399,6 +489,7 @@ mod tests {
         super::PEER_CALLS_UNREACHABLE.inc_by(0);
         super::APPENDS_RECEIVED.with_label_values(&["none"]).inc();
         super::COMMIT_NEWS_LEFT.inc_by(0);
+        super::track_positions(7, 1, Box::new(|| Some((12, 10))));
         let names: Vec<String> = prometheus::gather()
             .iter()
             .map(|f| f.name().to_string())
@@ -408,6 +499,8 @@ mod tests {
             "courier_broker_commit_seconds",
             "courier_broker_raft_appends_received_total",
             "courier_broker_raft_commit_news_deferred_total",
+            "courier_broker_partition_log_index",
+            "courier_broker_partition_applied_index",
             "courier_broker_partition_leader",
             "courier_broker_pushed_jobs_active",
             "courier_broker_peers_unreachable",

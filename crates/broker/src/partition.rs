@@ -1463,10 +1463,9 @@ async fn reconcile_pushes(p: Arc<Partition>, term: u64) {
 /// and with it every entry of earlier leaders (a follower may not have heard of
 /// the last commits before it was elected). False once it no longer leads in `term`.
 async fn caught_up_in(p: &Partition, term: u64) -> bool {
+    // Raft's metrics change with every entry applied and every change of role.
+    let mut metrics = p.raft.metrics();
     loop {
-        let applied = p.shared.applied.notified();
-        tokio::pin!(applied);
-        applied.as_mut().enable();
         if p.leading_term() != Some(term) {
             return false;
         }
@@ -1477,9 +1476,9 @@ async fn caught_up_in(p: &Partition, term: u64) -> bool {
         {
             return true;
         }
-        // Woken by the next entry applied; the role is looked at again at least
-        // this often.
-        let _ = tokio::time::timeout(Duration::from_millis(10), applied).await;
+        if metrics.changed().await.is_err() {
+            return false;
+        }
     }
 }
 
