@@ -531,7 +531,8 @@ mod tests {
         Vote::new_committed(2, 1)
     }
 
-    /// An append-entries of leader 1 in term 2: entries `from..=to` after `prev`.
+    /// An append-entries of leader 1 in term 2: `entries` entries after index
+    /// `prev`, telling the commit index `commit`.
     fn append(prev: u64, entries: u64, commit: u64) -> AppendEntriesRequest<TypeConfig> {
         AppendEntriesRequest {
             vote: vote(),
