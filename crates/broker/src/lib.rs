@@ -170,20 +170,7 @@ pub async fn run(
     for part in partitions.values() {
         tasks.spawn(initialize(config.clone(), part.clone(), shutdown.clone()));
         tasks.spawn(track_leadership(part.clone(), shutdown.clone()));
-        let replica = Arc::downgrade(part);
-        metrics::track_positions(
-            part.node_id,
-            part.id.0,
-            Box::new(move || {
-                let part = replica.upgrade()?;
-                let m = part.raft.metrics();
-                let m = m.borrow();
-                Some((
-                    m.last_log_index.unwrap_or(0),
-                    m.last_applied.map_or(0, |l| l.index),
-                ))
-            }),
-        );
+        metrics::POSITIONS.track(part);
     }
     tasks.spawn(drive_elections(
         partitions.values().cloned().collect(),

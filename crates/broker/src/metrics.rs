@@ -1,11 +1,12 @@
 //! The broker's Prometheus metrics, in the default registry. Statics, so several
 //! brokers in one process (`courier dev`) share them.
 
+use crate::partition::Partition;
 use prometheus::core::Collector;
 use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
 };
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock, Mutex, Weak};
 
 /// Registers `m`; a second registration (impossible with these statics) only logs.
 fn register<T: Collector + Clone + 'static>(m: T) -> T {
@@ -103,7 +104,7 @@ pub static RAFT_STREAMS_OPENED: LazyLock<IntCounter> = LazyLock::new(|| {
 
 /// Append-entries this broker received as a follower, by whether they carried
 /// entries (`some`) or only a leader's heartbeat or commit index (`none`).
-pub static APPENDS_RECEIVED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+static APPENDS_RECEIVED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     register(built(IntCounterVec::new(
         Opts::new(
             "courier_broker_raft_appends_received_total",
@@ -112,6 +113,16 @@ pub static APPENDS_RECEIVED: LazyLock<IntCounterVec> = LazyLock::new(|| {
         &["entries"],
     )))
 });
+
+/// The two counters of [`APPENDS_RECEIVED`], looked up once: every append counts.
+static APPENDS_BY_ENTRIES: LazyLock<[IntCounter; 2]> = LazyLock::new(|| {
+    ["none", "some"].map(|entries| APPENDS_RECEIVED.with_label_values(&[entries]))
+});
+
+/// Counts an append-entries received, with or without entries.
+pub fn append_received(with_entries: bool) {
+    APPENDS_BY_ENTRIES[usize::from(with_entries)].inc();
+}
 
 /// News of a commit alone that a leader left for its next message to a follower.
 pub static COMMIT_NEWS_LEFT: LazyLock<IntCounter> = LazyLock::new(|| {
@@ -369,95 +380,82 @@ pub static CREATE_TO_PUSH: LazyLock<Histogram> = LazyLock::new(|| {
     )))
 });
 
-/// A partition replica whose log position the scrape reads: the last log index and
-/// the last applied index, or `None` once the replica is gone.
-pub type PositionSource = Box<dyn Fn() -> Option<(u64, u64)> + Send + Sync>;
-
-struct Replica {
-    node: String,
-    partition: String,
-    read: PositionSource,
+/// Every replica's last log index and last applied index, read from Raft's
+/// metrics when `/metrics` is scraped rather than at every entry.
+#[derive(Clone)]
+pub struct Positions {
+    log: IntGaugeVec,
+    applied: IntGaugeVec,
+    /// The replicas, with their labels; one that is gone is dropped at the next scrape.
+    replicas: Arc<Mutex<Vec<Tracked>>>,
 }
 
-static REPLICAS: std::sync::Mutex<Vec<Replica>> = std::sync::Mutex::new(Vec::new());
+/// A replica and its labels: node, partition.
+type Tracked = (Weak<Partition>, [String; 2]);
 
-const LOG_INDEX: (&str, &str) = (
-    "courier_broker_partition_log_index",
-    "The last index in this replica's Raft log of the partition",
-);
-const APPLIED_INDEX: (&str, &str) = (
-    "courier_broker_partition_applied_index",
-    "The last log index this replica of the partition has applied: a follower behind its leader's shows how far it lags",
-);
-
-fn position_gauge((name, help): (&str, &str)) -> IntGaugeVec {
-    built(IntGaugeVec::new(
-        Opts::new(name, help),
-        &["node", "partition"],
-    ))
-}
-
-/// Reads the log positions of the replicas when `/metrics` is scraped, not at
-/// every entry.
-struct Positions {
-    descs: Vec<prometheus::core::Desc>,
+impl Positions {
+    /// Reports `p`'s log positions for as long as it lives.
+    pub fn track(&self, p: &Arc<Partition>) {
+        let labels = [p.node_id.to_string(), p.id.0.to_string()];
+        self.replicas
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((Arc::downgrade(p), labels));
+    }
 }
 
 impl Collector for Positions {
     fn desc(&self) -> Vec<&prometheus::core::Desc> {
-        self.descs.iter().collect()
+        let mut d = self.log.desc();
+        d.extend(self.applied.desc());
+        d
     }
 
     fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
-        let (log, applied) = (position_gauge(LOG_INDEX), position_gauge(APPLIED_INDEX));
-        let mut replicas = REPLICAS.lock().unwrap_or_else(|e| e.into_inner());
-        replicas.retain(|r| match (r.read)() {
-            Some((last_log, last_applied)) => {
-                let labels = [r.node.as_str(), r.partition.as_str()];
-                log.with_label_values(&labels)
-                    .set(i64::try_from(last_log).unwrap_or(i64::MAX));
-                applied
-                    .with_label_values(&labels)
-                    .set(i64::try_from(last_applied).unwrap_or(i64::MAX));
-                true
-            }
-            None => false,
+        let mut replicas = self.replicas.lock().unwrap_or_else(|e| e.into_inner());
+        replicas.retain(|(replica, labels)| {
+            let labels = [labels[0].as_str(), labels[1].as_str()];
+            let Some(p) = replica.upgrade() else {
+                let _ = self.log.remove_label_values(&labels);
+                let _ = self.applied.remove_label_values(&labels);
+                return false;
+            };
+            let m = p.raft.metrics();
+            let m = m.borrow();
+            let index = |i: u64| i64::try_from(i).unwrap_or(i64::MAX);
+            self.log
+                .with_label_values(&labels)
+                .set(index(m.last_log_index.unwrap_or(0)));
+            self.applied
+                .with_label_values(&labels)
+                .set(index(m.last_applied.map_or(0, |l| l.index)));
+            true
         });
-        let mut out = log.collect();
-        out.extend(applied.collect());
+        let mut out = self.log.collect();
+        out.extend(self.applied.collect());
         out
     }
 }
 
-static POSITIONS: LazyLock<()> = LazyLock::new(|| {
-    let descs = [LOG_INDEX, APPLIED_INDEX]
-        .into_iter()
-        .flat_map(|d| {
-            position_gauge(d)
-                .desc()
-                .into_iter()
-                .cloned()
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    if let Err(e) = prometheus::default_registry().register(Box::new(Positions { descs })) {
-        tracing::warn!(error = %e, "metric not registered");
-    }
+pub static POSITIONS: LazyLock<Positions> = LazyLock::new(|| {
+    let gauge = |name, help| {
+        built(IntGaugeVec::new(
+            Opts::new(name, help),
+            &["node", "partition"],
+        ))
+    };
+    register(Positions {
+        log: gauge(
+            "courier_broker_partition_log_index",
+            "The last index in this replica's Raft log of the partition",
+        ),
+        applied: gauge(
+            "courier_broker_partition_applied_index",
+            "The last log index this replica of the partition has applied: a follower behind its leader's shows how far it lags",
+        ),
+        replicas: Arc::default(),
+    })
 });
-
-/// Reports the log positions of replica `partition` on broker `node` on
-/// `/metrics` while `read` answers.
-pub fn track_positions(node: u64, partition: u32, read: PositionSource) {
-    LazyLock::force(&POSITIONS);
-    REPLICAS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push(Replica {
-            node: node.to_string(),
-            partition: partition.to_string(),
-            read,
-        });
-}
 
 #[cfg(test)]
 mod tests {
@@ -487,9 +485,13 @@ mod tests {
         super::CREATE_TO_PUSH.observe(0.001);
         super::PEERS_UNREACHABLE.add(0);
         super::PEER_CALLS_UNREACHABLE.inc_by(0);
-        super::APPENDS_RECEIVED.with_label_values(&["none"]).inc();
+        super::append_received(false);
         super::COMMIT_NEWS_LEFT.inc_by(0);
-        super::track_positions(7, 1, Box::new(|| Some((12, 10))));
+        super::POSITIONS.log.with_label_values(&["7", "1"]).set(12);
+        super::POSITIONS
+            .applied
+            .with_label_values(&["7", "1"])
+            .set(10);
         let names: Vec<String> = prometheus::gather()
             .iter()
             .map(|f| f.name().to_string())

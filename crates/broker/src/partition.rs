@@ -1426,9 +1426,6 @@ async fn run_yields(p: Arc<Partition>, shutdown: CancellationToken) {
 /// offered to the registered streams. When a gateway does not answer, all are left
 /// to their deadlines: running a job twice is worse than running it late.
 async fn reconcile_pushes(p: Arc<Partition>, term: u64) {
-    if !caught_up_in(&p, term).await {
-        return;
-    }
     let earlier = p.shared.read().state.pushed_before(term);
     if earlier.is_empty() {
         return;
@@ -1664,13 +1661,10 @@ impl Partition {
     }
 }
 
-/// Run by a replica once it begins to lead in `term` and has applied what earlier
-/// leaders committed: parked polls may have missed notices while leadership moved,
-/// and streams registered earlier may have a backlog here now.
-async fn offer_backlog(p: Arc<Partition>, term: u64) {
-    if !caught_up_in(&p, term).await {
-        return;
-    }
+/// Run by a replica once it leads and has applied what earlier leaders committed:
+/// parked polls may have missed notices while leadership moved, and streams
+/// registered earlier may have a backlog here now.
+fn offer_backlog(p: &Arc<Partition>) {
     for notice in p.activatable_notices() {
         // No receiver (no gateway linked) is fine.
         let _ = p.notices.send(notice);
@@ -1710,9 +1704,13 @@ async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
                     _ = stop.cancelled() => {}
                     _ = async {
                         tokio::join!(
-                            reconcile_pushes(q.clone(), term),
+                            async {
+                                if caught_up_in(&q, term).await {
+                                    offer_backlog(&q);
+                                    reconcile_pushes(q.clone(), term).await;
+                                }
+                            },
                             reclaim_orphans(q.clone(), term),
-                            offer_backlog(q, term),
                         )
                     } => {}
                 }

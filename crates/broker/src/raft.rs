@@ -324,16 +324,22 @@ pub struct PeerClient {
 /// well inside a heartbeat interval.
 const COMMIT_NEWS_WINDOW: Duration = Duration::from_millis(50);
 
-/// What a peer last accepted from this leader: when, under which vote, the last
-/// log id it then held and the commit index it was told, and the commit index
-/// whose news alone was last left for a later message.
+/// What a peer last accepted whole from this leader, and the commit index whose
+/// news alone was last left for a later message.
 #[derive(Debug, Default)]
 struct Told {
-    at: Option<std::time::Instant>,
-    vote: Option<Vote<NodeId>>,
+    accepted: Option<Accepted>,
+    left: Option<LogId<NodeId>>,
+}
+
+/// An append-entries a peer accepted: when it was sent, under which vote, the last
+/// log id the peer then held and the commit index it was told.
+#[derive(Debug)]
+struct Accepted {
+    at: std::time::Instant,
+    vote: Vote<NodeId>,
     matching: Option<LogId<NodeId>>,
     commit: Option<LogId<NodeId>>,
-    left: Option<LogId<NodeId>>,
 }
 
 impl Told {
@@ -358,14 +364,13 @@ impl Told {
         now: std::time::Instant,
     ) -> bool {
         let leave = rpc.entries.is_empty()
-            && rpc.leader_commit > self.commit
             && rpc.leader_commit != self.left
-            && self.vote.as_ref() == Some(&rpc.vote)
-            && self.matching == rpc.prev_log_id
-            && self.matching.is_some()
-            && self
-                .at
-                .is_some_and(|at| now.saturating_duration_since(at) < COMMIT_NEWS_WINDOW);
+            && self.accepted.as_ref().is_some_and(|a| {
+                rpc.leader_commit > a.commit
+                    && a.vote == rpc.vote
+                    && a.matching == rpc.prev_log_id
+                    && now.saturating_duration_since(a.at) < COMMIT_NEWS_WINDOW
+            });
         if leave {
             self.left = rpc.leader_commit;
         }
@@ -374,10 +379,12 @@ impl Told {
 
     /// Notes that the peer accepted `rpc` (sent at `now`) whole.
     fn accepted(&mut self, rpc: &AppendEntriesRequest<TypeConfig>, now: std::time::Instant) {
-        self.at = Some(now);
-        self.vote = Some(rpc.vote);
-        self.matching = rpc.entries.last().map(|e| e.log_id).or(rpc.prev_log_id);
-        self.commit = rpc.leader_commit;
+        self.accepted = Some(Accepted {
+            at: now,
+            vote: rpc.vote,
+            matching: rpc.entries.last().map(|e| e.log_id).or(rpc.prev_log_id),
+            commit: rpc.leader_commit,
+        });
     }
 
     /// Forgets the peer's state: an answer other than success, or none.

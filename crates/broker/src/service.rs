@@ -76,13 +76,7 @@ async fn serve_raft_call(
             let rpc: AppendEntriesRequest<TypeConfig> = codec::decode(&frame.payload)
                 .map_err(|e| malformed("append-entries request", e))?;
             heard_from(peers, p, &rpc.vote);
-            metrics::APPENDS_RECEIVED
-                .with_label_values(&[if rpc.entries.is_empty() {
-                    "none"
-                } else {
-                    "some"
-                }])
-                .inc();
+            metrics::append_received(!rpc.entries.is_empty());
             encode(&p.raft.append_entries(rpc).await)
         }
         Ok(RaftCall::Vote) => {
