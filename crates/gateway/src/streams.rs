@@ -33,7 +33,10 @@
 //! connection (`StreamCredit`); the broker may push `free - (sent - received)` more.
 //! A push changes neither side of that sum, so pushes alone send no report: a
 //! stream is marked dirty when credit comes back or its split may have changed, and
-//! a flusher sends the reports that changed, at most every [`FLUSH_GAP`].
+//! a flusher sends the reports that changed, at most every [`FLUSH_GAP`]. Less
+//! credit than a broker was told is reported at once; more, only once the broker's
+//! view has fallen to half of its share (see [`worth_reporting`]), so a finished job
+//! does not cost a message of its own.
 //!
 //! Message flow per link: `Hello`, then `RegisterStream` and `StreamCredit` for
 //! every current stream, then `RegisterStream` / `UnregisterStream` as streams come
@@ -225,6 +228,10 @@ struct LinkStream {
     received: u64,
     /// The last report sent: (free share, received).
     reported: Option<(u32, u64)>,
+    /// A larger credit than reported (as `share + received`), held back while the
+    /// broker's view is good enough (see [`worth_reporting`]); pushes wear that
+    /// view down, so each one checks it again.
+    owed: Option<u64>,
 }
 
 /// A broker link's outbound queue, as known to the registry.
@@ -959,7 +966,14 @@ impl State {
             return Err(UNKNOWN_STREAM);
         }
         if let Some(link) = self.links.get_mut(&node).filter(|l| l.conn == conn) {
-            link.streams.entry(stream_id).or_default().received += 1;
+            let seen = link.streams.entry(stream_id).or_default();
+            seen.received += 1;
+            if seen
+                .owed
+                .is_some_and(|credit| worth_reporting(seen, credit, false))
+            {
+                self.dirty.insert(stream_id);
+            }
         }
         // A broker pushing for a stream it wanted credit for still has jobs for it.
         if let Some(at) = self
@@ -1316,7 +1330,12 @@ impl State {
                 };
                 let seen = link.streams.entry(id).or_default();
                 let report = (share, seen.received);
-                if seen.reported == Some(report) {
+                let credit = u64::from(share) + seen.received;
+                if !worth_reporting(seen, credit, stream.wanted.contains_key(node)) {
+                    seen.owed = seen
+                        .reported
+                        .filter(|&(s, r)| credit != u64::from(s) + r)
+                        .map(|_| credit);
                     continue;
                 }
                 let msg = GatewayMessage {
@@ -1328,6 +1347,7 @@ impl State {
                 };
                 if link.tx.try_send(msg).is_ok() {
                     seen.reported = Some(report);
+                    seen.owed = None;
                     metrics::credit_report_sent();
                 } else if !failed.contains(node) {
                     failed.push(*node);
@@ -1386,6 +1406,33 @@ impl State {
             self.mark_all_dirty();
         }
     }
+}
+
+/// Whether a link should be told the stream's credit now: `credit` is its share of
+/// the free credit plus the pushes received from it, the only sum the broker's view
+/// depends on (it may push `share + received - sent` more; see the module doc), so
+/// pushes alone change nothing. A view that shrank is corrected at once: the broker
+/// must not push on credit that is gone. One that grew is corrected, as HTTP/2 sends
+/// window updates, once the broker's view has fallen to half of its share or below (or
+/// at once when the broker has jobs waiting for credit: `wanted`); until then it has
+/// credit enough to push on, and a report per finished job would double the
+/// messages of a pushed job on the link.
+fn worth_reporting(seen: &LinkStream, credit: u64, wanted: bool) -> bool {
+    let Some((old_share, old_received)) = seen.reported else {
+        return true;
+    };
+    let told = u64::from(old_share) + old_received;
+    if credit == told {
+        return false;
+    }
+    if credit < told || wanted {
+        return true;
+    }
+    // What the broker believes it may still push, and what it may, had every push
+    // it sent arrived.
+    let believed = told.saturating_sub(seen.received);
+    let share = credit.saturating_sub(seen.received);
+    believed.saturating_mul(2) <= share
 }
 
 /// Splits `free` between links in proportion to `weights` (the partitions each
@@ -2186,7 +2233,8 @@ mod tests {
         let a = s.join(t(), None);
         let id = a.stream_id();
         s.set_leaders(BTreeMap::from([(1, 2), (2, 1)]));
-        for _ in 0..2 {
+        let mut first = Vec::new();
+        for round in 0..2 {
             s.flush();
             let shares: Vec<u32> = rxs
                 .iter_mut()
@@ -2200,13 +2248,23 @@ mod tests {
                         .collect();
                     match got[..] {
                         [(sid, free, 0)] if sid == id => free,
-                        // Unchanged from the last flush: nothing sent.
+                        // Nothing sent: unchanged, or not worth reporting yet.
                         [] => 0,
                         _ => panic!("{got:?}"),
                     }
                 })
                 .collect();
-            assert!(shares == [7, 3, 0] || shares == [6, 4, 0], "{shares:?}");
+            if round == 0 {
+                assert!(shares == [7, 3, 0] || shares == [6, 4, 0], "{shares:?}");
+                first = shares;
+            } else if first == [7, 3, 0] {
+                // The remainder moved on: the share that shrank is told at once; the
+                // one that grew by a credit, with the broker's view still above half
+                // of it, is not.
+                assert_eq!(shares, [6, 0, 0]);
+            } else {
+                assert_eq!(shares, [0, 3, 0]);
+            }
             // Something changed: the next flush re-splits.
             s.set_leaders(BTreeMap::from([(1, 2), (2, 1), (3, 0)]));
         }
@@ -2302,31 +2360,81 @@ mod tests {
         s.flush();
         drain(&mut rx1);
         drain(&mut rx2);
-        for k in 0..5 {
+        for k in 0..20 {
             assert_eq!(ack(&l1, push(id, k)), ok());
         }
-        assert_eq!(keys(&mut a).len(), 5);
+        assert_eq!(keys(&mut a).len(), 20);
         s.flush();
         assert!(drain(&mut rx1).is_empty());
         assert!(drain(&mut rx2).is_empty());
-        // Three released before the flush: one report per link.
+        // Eight released before the flush: one report per link. Broker 1 thinks it
+        // has no credit left (16 told, 20 received), so it hears of its new share
+        // of 10; broker 2's share shrank from 16.
+        for k in 0..8 {
+            drop(s.finished_here(k, Instant::now()));
+        }
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 10, 20)]);
+        assert_eq!(reports(&mut rx2), [(id, 10, 0)]);
+        s.flush();
+        assert!(drain(&mut rx1).is_empty());
+        // A client joining or leaving changes the stream's credit too. Joining adds
+        // 32: both brokers' views are below half of their new shares of 26.
+        let b = s.join(t(), None);
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 26, 20)]);
+        assert_eq!(reports(&mut rx2), [(id, 26, 0)]);
+        drop(b);
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 10, 20)]);
+        assert_eq!(reports(&mut rx2), [(id, 10, 0)]);
+    }
+
+    #[test]
+    fn credit_that_grew_is_reported_once_the_brokers_view_falls_below_half_of_it() {
+        let s = registry(32);
+        let (l1, mut rx1) = s.attach_link(1, hello());
+        let mut a = s.join(t(), None);
+        let id = a.stream_id();
+        s.flush();
+        drain(&mut rx1);
+        for k in 0..20 {
+            assert_eq!(ack(&l1, push(id, k)), ok());
+        }
+        assert_eq!(keys(&mut a).len(), 20);
+        // Three come back: the broker thinks it may push 12 more, of 15.
         for k in 0..3 {
             drop(s.finished_here(k, Instant::now()));
         }
         s.flush();
-        assert_eq!(reports(&mut rx1), [(id, 15, 5)]);
-        assert_eq!(reports(&mut rx2), [(id, 15, 0)]);
-        s.flush();
         assert!(drain(&mut rx1).is_empty());
-        // A client joining or leaving changes the stream's credit too.
-        let b = s.join(t(), Some(2));
+        // A client of credit 1 joins and leaves: 12 of 16, then of 15 again.
+        let b = s.join(t(), Some(1));
         s.flush();
-        assert_eq!(reports(&mut rx1), [(id, 16, 5)]);
-        assert_eq!(reports(&mut rx2), [(id, 16, 0)]);
         drop(b);
         s.flush();
-        assert_eq!(reports(&mut rx1), [(id, 15, 5)]);
-        assert_eq!(reports(&mut rx2), [(id, 15, 0)]);
+        assert!(drain(&mut rx1).is_empty());
+        // Its pushes wear its view down: 4 of 7 is more than half...
+        for k in 20..28 {
+            assert_eq!(ack(&l1, push(id, k)), ok());
+        }
+        s.flush();
+        assert!(drain(&mut rx1).is_empty());
+        // ...3 of 6 is not: the push that took it there has the report sent.
+        assert_eq!(ack(&l1, push(id, 28)), ok());
+        assert!(s.lock().dirty.contains(&id));
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 6, 29)]);
+        assert_eq!(keys(&mut a).len(), 9);
+        // A share that shrinks is told at once, however little: a second broker
+        // leads a partition too.
+        let (_l2, mut rx2) = s.attach_link(2, hello());
+        s.set_leaders(BTreeMap::from([(1, 1), (2, 1)]));
+        s.flush();
+        assert_eq!(reports(&mut rx1), [(id, 3, 29)]);
+        assert!(drain(&mut rx2)
+            .iter()
+            .any(|k| matches!(k, Kind::Credit(c) if c.stream_id == id)));
     }
 
     #[tokio::test(start_paused = true)]
@@ -2379,6 +2487,8 @@ mod tests {
         // Refused pushes count as received too.
         assert_eq!(ack(&l1, push(77, 9)), refused(UNKNOWN_STREAM));
         drop(s.finished_here(0, Instant::now()));
+        // Broker 1 has jobs waiting for credit: it hears of every credit that comes back.
+        s.jobs_available(1, "t", DEFAULT_TENANT);
         s.flush();
         assert_eq!(reports(&mut rx1), [(id, 6, 3)]);
         drop(l1);
