@@ -196,6 +196,12 @@ struct Aggregated {
     /// held to its leader's share while the shares of brokers with nothing to push
     /// go unused. See [`DEMAND_WINDOW`].
     wanted: BTreeMap<NodeId, Instant>,
+    /// The broker that announced such jobs last, until it pushes for the stream: the
+    /// remainder of the split goes to it first. With less credit than brokers (a
+    /// worker taking one job at a time), only some of them get any, and without this
+    /// a broker announcing a new job would wait, while the credit sat with one whose
+    /// jobs were gone, until its demand aged out.
+    prefer: Option<NodeId>,
 }
 
 impl Aggregated {
@@ -374,6 +380,7 @@ impl AggregatedStreams {
                         spare_room: 0,
                         spare_paused: false,
                         wanted: BTreeMap::new(),
+                        prefer: None,
                     },
                 );
                 st.by_props.insert(key, id);
@@ -554,11 +561,20 @@ impl AggregatedStreams {
         let mut st = self.lock();
         let now = Instant::now();
         let mut wanting = Vec::new();
-        for (&id, s) in st.streams.iter_mut() {
-            if s.props.job_type == job_type
-                && s.props.tenant_ids.iter().any(|t| t == tenant)
-                && s.wanted.insert(node, now).is_none()
-            {
+        let State { streams, links, .. } = &mut *st;
+        for (&id, s) in streams.iter_mut() {
+            if s.props.job_type != job_type || !s.props.tenant_ids.iter().any(|t| t == tenant) {
+                continue;
+            }
+            let new = s.wanted.insert(node, now).is_none();
+            s.prefer = Some(node);
+            // A broker that announces again re-splits the credit only when it has
+            // none: then it goes to it first.
+            let has_none = links
+                .get(&node)
+                .and_then(|l| l.streams.get(&id))
+                .is_none_or(|seen| believed(seen) == 0);
+            if new || has_none {
                 wanting.push(id);
             }
         }
@@ -892,14 +908,17 @@ fn spare_offered(s: &Aggregated) -> u64 {
 
 impl State {
     /// Ages the brokers' demand for each stream's credit: while a stream has no
-    /// free credit no broker can push, so its demand is kept as it is; otherwise a
-    /// broker that has neither announced nor pushed jobs of the stream for
-    /// [`DEMAND_WINDOW`] has none left, and the stream is re-split without it.
+    /// free credit no broker can push, so its demand is kept as it is, and so is
+    /// that of a broker told of none (its jobs wait for credit the split gives
+    /// others); otherwise a broker that has neither announced nor pushed jobs of
+    /// the stream for [`DEMAND_WINDOW`] has none left, and the stream is re-split
+    /// without it.
     fn age_demand(&mut self, now: Instant) {
         let State {
             streams,
             clients,
             dirty,
+            links,
             ..
         } = self;
         for (&id, s) in streams.iter_mut() {
@@ -910,11 +929,22 @@ impl State {
                 s.wanted.values_mut().for_each(|at| *at = now);
                 continue;
             }
+            for (node, at) in s.wanted.iter_mut() {
+                let told_none = links
+                    .get(node)
+                    .is_some_and(|l| l.streams.get(&id).is_none_or(|seen| believed(seen) == 0));
+                if told_none {
+                    *at = now;
+                }
+            }
             let before = s.wanted.len();
             s.wanted
                 .retain(|_, at| now.saturating_duration_since(*at) < DEMAND_WINDOW);
             if s.wanted.len() != before {
                 dirty.insert(id);
+            }
+            if s.prefer.is_some_and(|n| !s.wanted.contains_key(&n)) {
+                s.prefer = None;
             }
         }
     }
@@ -976,12 +1006,13 @@ impl State {
             }
         }
         // A broker pushing for a stream it wanted credit for still has jobs for it.
-        if let Some(at) = self
-            .streams
-            .get_mut(&stream_id)
-            .and_then(|s| s.wanted.get_mut(&node))
-        {
-            *at = Instant::now();
+        if let Some(s) = self.streams.get_mut(&stream_id) {
+            if let Some(at) = s.wanted.get_mut(&node) {
+                *at = Instant::now();
+            }
+            if s.prefer == Some(node) {
+                s.prefer = None;
+            }
         }
         let key = b.job.key;
         if self.disowned.contains_key(&(key, b.lease)) {
@@ -1322,8 +1353,13 @@ impl State {
                     })
                     .collect()
             });
-            let shares = split(free, wanted.as_deref().unwrap_or(&weights), stream.rotate);
-            stream.rotate = stream.rotate.wrapping_add(1);
+            let weights = wanted.as_deref().unwrap_or(&weights);
+            let rotate = stream
+                .prefer
+                .and_then(|n| first_place(&nodes, weights, n))
+                .unwrap_or(stream.rotate);
+            let shares = split(free, weights, rotate);
+            stream.rotate = rotate.wrapping_add(1);
             for (node, share) in nodes.iter().zip(shares) {
                 let Some(link) = self.links.get_mut(node) else {
                     continue;
@@ -1428,11 +1464,28 @@ fn worth_reporting(seen: &LinkStream, credit: u64, wanted: bool) -> bool {
     if credit < told || wanted {
         return true;
     }
-    // What the broker believes it may still push, and what it may, had every push
-    // it sent arrived.
-    let believed = told.saturating_sub(seen.received);
+    // What it may push, against what the broker believes.
     let share = credit.saturating_sub(seen.received);
-    believed.saturating_mul(2) <= share
+    believed(seen).saturating_mul(2) <= share
+}
+
+/// What the broker at the other end of a link believes it may still push for the
+/// stream, had every push it sent arrived.
+fn believed(seen: &LinkStream) -> u64 {
+    seen.reported
+        .map_or(0, |(share, received)| u64::from(share) + received)
+        .saturating_sub(seen.received)
+}
+
+/// The rotation with which [`split`] gives `node` the first unit of the remainder,
+/// if it gets any at all.
+fn first_place(nodes: &[NodeId], weights: &[u32], node: NodeId) -> Option<usize> {
+    let all = weights.iter().all(|&w| w == 0);
+    nodes
+        .iter()
+        .zip(weights)
+        .filter(|(_, &w)| all || w > 0)
+        .position(|(&n, _)| n == node)
 }
 
 /// Splits `free` between links in proportion to `weights` (the partitions each
@@ -2347,6 +2400,59 @@ mod tests {
         s.flush();
         assert_eq!(reports(&mut rx1), [(id, 0, 30)]);
         assert_eq!(reports(&mut rx2), [(id, 6, 0)]);
+    }
+
+    #[test]
+    fn a_broker_whose_jobs_wait_for_credit_gets_the_next_free_credit_and_keeps_its_demand() {
+        // One credit, three brokers with a partition each: only one can hold it.
+        let s = registry(1);
+        let (_links, mut rxs): (Vec<_>, Vec<_>) =
+            (1..=3).map(|n| s.attach_link(n, hello())).unzip();
+        s.set_leaders(BTreeMap::from([(1, 1), (2, 1), (3, 1)]));
+        let a = s.join(t(), None);
+        let id = a.stream_id();
+        // What each broker was told last.
+        let mut told = [0u32; 3];
+        let mut hear = |rxs: &mut Vec<mpsc::Receiver<GatewayMessage>>| {
+            for (i, rx) in rxs.iter_mut().enumerate() {
+                for k in drain(rx) {
+                    if let Kind::Credit(c) = k {
+                        assert_eq!(c.stream_id, id);
+                        told[i] = c.free;
+                    }
+                }
+            }
+            told
+        };
+        s.flush();
+        let first = hear(&mut rxs);
+        assert_eq!(first.iter().sum::<u32>(), 1, "{first:?}");
+        // Brokers 1 and 3 announce jobs they could not push: one of them gets it.
+        s.jobs_available(1, "t", DEFAULT_TENANT);
+        s.jobs_available(3, "t", DEFAULT_TENANT);
+        s.flush();
+        let (with, without) = match hear(&mut rxs) {
+            [1, 0, 0] => (0, 2),
+            [0, 0, 1] => (2, 0),
+            other => panic!("{other:?}"),
+        };
+        // The other one announces again (a new job it could not push): the credit
+        // moves to it now, not once the first one's demand has aged out.
+        s.jobs_available(without as NodeId + 1, "t", DEFAULT_TENANT);
+        s.flush();
+        let now = hear(&mut rxs);
+        assert_eq!((now[without], now[with], now[1]), (1, 0, 0), "{now:?}");
+
+        // It pushes nothing (its job went elsewhere, say to a poll): once that has
+        // lasted the window its demand is gone. The first's stays, however long: it
+        // was told of no credit, so it could not show its demand by pushing.
+        s.sweep(Instant::now() + DEMAND_WINDOW * 3);
+        s.flush();
+        let now = hear(&mut rxs);
+        assert_eq!((now[with], now[without]), (1, 0), "{now:?}");
+        let wanted: Vec<NodeId> = s.lock().streams[&id].wanted.keys().copied().collect();
+        assert_eq!(wanted, [with as NodeId + 1]);
+        drop(a);
     }
 
     #[test]
