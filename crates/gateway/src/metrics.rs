@@ -177,6 +177,14 @@ fn build() -> prometheus::Result<Metrics> {
              away first, or the answer was full), failed back with their retries unchanged",
         )?,
     };
+    // At zero from the start, so a graph of yields has a series before the first.
+    for reason in [
+        crate::streams::NO_CLIENT,
+        crate::streams::SPARE_WAITED,
+        crate::streams::SPARE_STALE,
+    ] {
+        m.jobs_yielded.with_label_values(&[reason]);
+    }
     let registry = prometheus::default_registry();
     let collectors: [Box<dyn prometheus::core::Collector>; 23] = [
         Box::new(m.requests.clone()),
