@@ -570,11 +570,7 @@ impl AggregatedStreams {
             s.prefer = Some(node);
             // A broker that announces again re-splits the credit only when it has
             // none: then it goes to it first.
-            let has_none = links
-                .get(&node)
-                .and_then(|l| l.streams.get(&id))
-                .is_none_or(|seen| believed(seen) == 0);
-            if new || has_none {
+            if new || told_no_credit(links, node, id) {
                 wanting.push(id);
             }
         }
@@ -929,11 +925,8 @@ impl State {
                 s.wanted.values_mut().for_each(|at| *at = now);
                 continue;
             }
-            for (node, at) in s.wanted.iter_mut() {
-                let told_none = links
-                    .get(node)
-                    .is_some_and(|l| l.streams.get(&id).is_none_or(|seen| believed(seen) == 0));
-                if told_none {
+            for (&node, at) in s.wanted.iter_mut() {
+                if told_no_credit(links, node, id) {
                     *at = now;
                 }
             }
@@ -1475,6 +1468,13 @@ fn believed(seen: &LinkStream) -> u64 {
     seen.reported
         .map_or(0, |(share, received)| u64::from(share) + received)
         .saturating_sub(seen.received)
+}
+
+/// Whether broker `node`, linked, believes it may push nothing more for stream `id`.
+fn told_no_credit(links: &HashMap<NodeId, LinkEntry>, node: NodeId, id: u64) -> bool {
+    links
+        .get(&node)
+        .is_some_and(|l| l.streams.get(&id).is_none_or(|seen| believed(seen) == 0))
 }
 
 /// The rotation with which [`split`] gives `node` the first unit of the remainder,
@@ -2497,7 +2497,7 @@ mod tests {
     }
 
     #[test]
-    fn credit_that_grew_is_reported_once_the_brokers_view_falls_below_half_of_it() {
+    fn credit_that_grew_is_reported_once_the_brokers_view_falls_to_half_of_it() {
         let s = registry(32);
         let (l1, mut rx1) = s.attach_link(1, hello());
         let mut a = s.join(t(), None);
