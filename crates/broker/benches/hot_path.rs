@@ -194,7 +194,7 @@ fn log_append(c: &mut Criterion) {
     ] {
         let dir = tempfile::tempdir().expect("temp dir");
         let db = Db::open(dir.path(), Durability::Fsync).expect("fjall");
-        let log = LogStore::open(&db, 1).expect("log");
+        let log = LogStore::open(&db, 1, 1).expect("log");
         let mut index = 0u64;
         g.bench_function(name, |b| {
             b.iter(|| {

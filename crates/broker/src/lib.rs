@@ -108,14 +108,17 @@ pub async fn run(
                 .validate()
                 .map_err(|e| Error::Config(e.to_string()))?,
         );
-        let log = LogStore::open(&db, p).map_err(|e| Error::Storage(e.to_string()))?;
+        let log =
+            LogStore::open(&db, p, config.node_id).map_err(|e| Error::Storage(e.to_string()))?;
         let sm = StateMachine::open(&db, id, config.data_dir.join("snapshots"))
-            .map_err(|e| Error::Storage(e.to_string()))?;
+            .map_err(|e| Error::Storage(e.to_string()))?
+            .with_durable(log.durable());
         let shared = sm.shared();
         let network = Network {
             partition: id,
             peers: peers.clone(),
             addrs: addrs.clone(),
+            durable: log.durable(),
         };
         let raft = Raft::new(config.node_id, raft_config, network, log, sm)
             .await

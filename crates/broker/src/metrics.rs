@@ -61,6 +61,19 @@ pub static FSYNC_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
     )))
 });
 
+/// Time a state machine waited for its own log's flush before applying entries a
+/// commit counted before they were on this replica's disk (a leader replicates its
+/// entries while it flushes them).
+pub static APPLY_FLUSH_WAIT_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    register(built(Histogram::with_opts(
+        HistogramOpts::new(
+            "courier_broker_apply_flush_wait_seconds",
+            "Time applying committed entries waited for this replica's own log flush",
+        )
+        .buckets(built(prometheus::exponential_buckets(0.00005, 2.0, 16))),
+    )))
+});
+
 /// Time to delete the log entries a snapshot covers (in the background), per purge.
 pub static PURGE_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
     register(built(Histogram::with_opts(

@@ -6,6 +6,7 @@
 
 use crate::engine::{Applied, Batch};
 use crate::metrics;
+use crate::store::durable::Durable;
 use courier_proto::cluster::{raft_client::RaftClient, RaftCall, RaftFrame, SnapshotChunk};
 use courier_proto::codec;
 use courier_proto::domain::PartitionId;
@@ -288,6 +289,8 @@ pub struct Network {
     /// Addresses from the static configuration; they win over the address stored in
     /// the Raft membership, so a broker that moved (a restarted `courier dev`) is found.
     pub addrs: Arc<std::collections::BTreeMap<NodeId, String>>,
+    /// The flush state of this replica's log of the partition.
+    pub durable: Arc<Durable>,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -303,6 +306,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             client: self.peers.get(addr).map(RaftClient::new).map_err(Arc::new),
             link: self.peers.link(addr).map_err(Arc::new),
             told: Told::default(),
+            durable: self.durable.clone(),
         }
     }
 }
@@ -317,6 +321,9 @@ pub struct PeerClient {
     link: Result<Arc<PeerLink>, Arc<tonic::transport::Error>>,
     /// What the peer last accepted from this leader (see [`Told::commit_alone`]).
     told: Told,
+    /// The flush state of this replica's log: the commit index a follower is told
+    /// never passes it.
+    durable: Arc<Durable>,
 }
 
 /// How soon after the peer accepted a leader's entries that leader's news of
@@ -473,9 +480,12 @@ impl PeerClient {
 impl RaftNetwork<TypeConfig> for PeerClient {
     async fn append_entries(
         &mut self,
-        rpc: AppendEntriesRequest<TypeConfig>,
+        mut rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RpcErr> {
+        // Raft may count this leader's own entries toward a commit before they are
+        // flushed; a follower applies only what is on a majority of disks.
+        rpc.leader_commit = self.durable.clamp_commit(rpc.leader_commit);
         let now = std::time::Instant::now();
         if self.told.commit_alone(&rpc, now) {
             metrics::COMMIT_NEWS_LEFT.inc();

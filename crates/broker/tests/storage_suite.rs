@@ -18,8 +18,9 @@ impl StoreBuilder<TypeConfig, LogStore, StateMachine, tempfile::TempDir> for Fja
     ) -> Result<(tempfile::TempDir, LogStore, StateMachine), StorageError<u64>> {
         let dir = tempfile::tempdir().map_err(|e| openraft::StorageIOError::write(&e))?;
         let db = Db::open(dir.path(), self.0).map_err(|e| openraft::StorageIOError::write(&e))?;
-        let log = LogStore::open(&db, 1).map_err(|e| openraft::StorageIOError::write(&e))?;
-        let sm = StateMachine::open(&db, PartitionId(1), dir.path().join("snapshots"))?;
+        let log = LogStore::open(&db, 1, 1).map_err(|e| openraft::StorageIOError::write(&e))?;
+        let sm = StateMachine::open(&db, PartitionId(1), dir.path().join("snapshots"))?
+            .with_durable(log.durable());
         Ok((dir, log, sm))
     }
 }

@@ -1,7 +1,8 @@
 //! A partition's Raft log in fjall: entries keyed by big-endian index, plus the vote
 //! and the last purged id in the partition's meta keyspace.
 
-use super::{read_err, write_err, Db};
+use super::durable::Durable;
+use super::{read_err, write_err, Db, Durability};
 use crate::engine::FlushSignal;
 use crate::raft::TypeConfig;
 use courier_proto::codec;
@@ -34,12 +35,19 @@ pub struct LogStore {
     meta: Keyspace,
     /// Entries below this index are deleted, or being deleted in the background.
     deleted_below: Arc<AtomicU64>,
+    /// This broker: the entries it appends as the leader of the vote it holds are
+    /// its own proposals.
+    node: NodeId,
+    /// The vote last saved.
+    vote: Option<Vote<NodeId>>,
+    /// Which writes are flushed, for the state machine and the Raft network.
+    durable: Arc<Durable>,
 }
 
 impl LogStore {
-    /// Opens the log of `partition` in `db`, deleting entries a purge recorded but
-    /// did not get to delete before the broker stopped.
-    pub fn open(db: &Db, partition: u32) -> Result<LogStore, StorageError<NodeId>> {
+    /// Opens the log of `partition` in `db` on broker `node`, deleting entries a
+    /// purge recorded but did not get to delete before the broker stopped.
+    pub fn open(db: &Db, partition: u32, node: NodeId) -> Result<LogStore, StorageError<NodeId>> {
         let mut store = LogStore {
             db: db.clone(),
             log: db
@@ -49,7 +57,11 @@ impl LogStore {
                 .keyspace(&format!("p{partition}.meta"))
                 .map_err(read_err)?,
             deleted_below: Arc::default(),
+            node,
+            vote: None,
+            durable: Durable::new(None),
         };
+        store.vote = store.get_meta(VOTE)?;
         if let Some(purged) = store.get_meta::<LogId<NodeId>>(LAST_PURGED)? {
             let leftovers = store.keys_in(..=purged.index)?;
             let mut batch = store.db.database().batch();
@@ -59,7 +71,36 @@ impl LogStore {
             batch.commit().map_err(write_err)?;
             store.deleted_below = Arc::new(AtomicU64::new(purged.index + 1));
         }
+        // What is stored now is on disk ([`Db::open`] flushed it).
+        store.durable = Durable::new(store.last_stored()?);
         Ok(store)
+    }
+
+    /// The flush state of this log.
+    pub fn durable(&self) -> Arc<Durable> {
+        self.durable.clone()
+    }
+
+    /// The id of the last stored entry.
+    fn last_stored(&self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
+        match self.log.last_key_value() {
+            None => Ok(None),
+            Some(g) => {
+                let (_, v) = g.into_inner().map_err(read_err)?;
+                let entry: Entry<TypeConfig> = codec::decode(&v).map_err(read_err)?;
+                Ok(Some(*entry.get_log_id()))
+            }
+        }
+    }
+
+    /// Whether entries of `leader` are this broker's own proposals under the vote
+    /// it holds: it leads that vote, and the vote is granted by a quorum.
+    fn own(&self, leader: &openraft::CommittedLeaderId<NodeId>) -> bool {
+        self.vote.as_ref().is_some_and(|v| {
+            v.is_committed()
+                && v.leader_id().voted_for() == Some(self.node)
+                && v.leader_id() == leader
+        })
     }
 
     fn get_meta<T: serde::de::DeserializeOwned>(
@@ -107,20 +148,44 @@ impl LogStore {
         &self,
         entries: impl IntoIterator<Item = Entry<TypeConfig>>,
     ) -> Result<Vec<FlushSignal>, StorageError<NodeId>> {
+        self.write_entries(entries).map(|w| w.signals)
+    }
+
+    fn write_entries(
+        &self,
+        entries: impl IntoIterator<Item = Entry<TypeConfig>>,
+    ) -> Result<Written, StorageError<NodeId>> {
         let mut batch = self.db.database().batch();
-        let mut signals = Vec::new();
+        let mut w = Written {
+            signals: Vec::new(),
+            ids: None,
+            own: true,
+        };
         for entry in entries {
+            let id = *entry.get_log_id();
             let bytes = codec::to_vec(&entry).map_err(write_err)?;
-            batch.insert(&self.log, entry.get_log_id().index.to_be_bytes(), bytes);
+            batch.insert(&self.log, id.index.to_be_bytes(), bytes);
+            w.own &= self.own(&id.leader_id);
+            w.ids = Some((w.ids.map_or(id.index, |(first, _)| first), id));
             if let EntryPayload::Normal(b) = entry.payload {
                 if b.on_flushed.is_set() {
-                    signals.push(b.on_flushed);
+                    w.signals.push(b.on_flushed);
                 }
             }
         }
         batch.commit().map_err(write_err)?;
-        Ok(signals)
+        Ok(w)
     }
+}
+
+/// What one append wrote.
+struct Written {
+    /// The flush signals its entries carry (the leader's own proposals).
+    signals: Vec<FlushSignal>,
+    /// The index of its first entry and the id of its last.
+    ids: Option<(u64, LogId<NodeId>)>,
+    /// Whether every entry is this broker's own, as leader of the vote it holds.
+    own: bool,
 }
 
 impl RaftLogReader<TypeConfig> for LogStore {
@@ -144,14 +209,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<NodeId>> {
         let last_purged: Option<LogId<NodeId>> = self.get_meta(LAST_PURGED)?;
-        let last_stored = match self.log.last_key_value() {
-            None => None,
-            Some(g) => {
-                let (_, v) = g.into_inner().map_err(read_err)?;
-                let entry: Entry<TypeConfig> = codec::decode(&v).map_err(read_err)?;
-                Some(*entry.get_log_id())
-            }
-        };
+        let last_stored = self.last_stored()?;
         // Entries a purge covers may still be stored (they are deleted in the
         // background), and a purge may reach past the last entry (a snapshot).
         let last = match (last_stored, last_purged) {
@@ -171,7 +229,9 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError<NodeId>> {
         self.put_meta(VOTE, vote)?;
         // A vote must never be forgotten, whatever the durability mode.
-        self.db.sync().map_err(write_err)
+        self.db.sync().map_err(write_err)?;
+        self.vote = Some(*vote);
+        Ok(())
     }
 
     async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError<NodeId>> {
@@ -191,9 +251,28 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let signals = self.write(entries)?;
+        let Written { signals, ids, own } = self.write_entries(entries)?;
+        let Some((first, last)) = ids else {
+            callback.log_io_completed(Ok(()));
+            return Ok(());
+        };
+        let seq = self.durable.wrote(first);
+        // The leader's own entries count as stored once written, so Raft replicates
+        // them while this flush runs; what their commit makes visible waits for it
+        // (see [`Durable`]). A follower's entries count once flushed: its answer is
+        // what a leader counts on.
+        let callback = if own && self.db.durability() == Durability::Fsync {
+            callback.log_io_completed(Ok(()));
+            None
+        } else {
+            Some(callback)
+        };
+        let durable = self.durable.clone();
         self.db.after_flush(move |result| {
-            callback.log_io_completed(result);
+            durable.flushed(seq, last, &result);
+            if let Some(callback) = callback {
+                callback.log_io_completed(result);
+            }
             // A failed flush fires them too: the proposer must not wait on an
             // append Raft has given up on.
             signals.iter().for_each(FlushSignal::fire);
@@ -284,7 +363,7 @@ mod tests {
     async fn purged_entries_are_deleted_in_the_background() {
         let dir = tempfile::tempdir().unwrap();
         let db = Db::open(dir.path(), Durability::Replicated).unwrap();
-        let mut log = LogStore::open(&db, 1).unwrap();
+        let mut log = LogStore::open(&db, 1, 1).unwrap();
         log.write(entries(1..=2000)).unwrap();
         log.purge(id(1500)).await.unwrap();
         let state = log.get_log_state().await.unwrap();
@@ -313,11 +392,71 @@ mod tests {
     async fn leftovers_of_a_purge_go_when_the_log_is_opened() {
         let dir = tempfile::tempdir().unwrap();
         let db = Db::open(dir.path(), Durability::Replicated).unwrap();
-        let log = LogStore::open(&db, 1).unwrap();
+        let log = LogStore::open(&db, 1, 1).unwrap();
         log.write(entries(1..=10)).unwrap();
         log.put_meta(LAST_PURGED, &id(6)).unwrap();
-        let mut reopened = LogStore::open(&db, 1).unwrap();
+        let mut reopened = LogStore::open(&db, 1, 1).unwrap();
         assert_eq!(stored(&mut reopened).await, vec![7, 8, 9, 10]);
+    }
+
+    /// Only the entries this broker appends as leader of a granted vote of its own
+    /// count as stored before their flush: not a follower's, not its own entries
+    /// of an earlier term sent back to it, not while its vote is not granted.
+    #[tokio::test]
+    async fn only_a_leaders_own_entries_of_its_granted_vote_count_as_stored_when_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path(), Durability::Fsync).unwrap();
+        let mut log = LogStore::open(&db, 1, 1).unwrap();
+        let of = |term, node, index| Entry::<TypeConfig> {
+            log_id: LogId::new(CommittedLeaderId::new(term, node), index),
+            payload: EntryPayload::Blank,
+        };
+        let own = |log: &LogStore, e: Entry<TypeConfig>| log.write_entries([e]).unwrap().own;
+
+        assert!(!own(&log, of(1, 1, 1)), "no vote");
+        log.save_vote(&Vote::new(2, 1)).await.unwrap();
+        assert!(!own(&log, of(2, 1, 1)), "a vote not granted yet");
+        log.save_vote(&Vote::new_committed(2, 1)).await.unwrap();
+        assert!(own(&log, of(2, 1, 1)), "its own entry as leader");
+        assert!(!own(&log, of(1, 1, 1)), "its entry of an earlier term");
+        log.save_vote(&Vote::new_committed(3, 2)).await.unwrap();
+        assert!(!own(&log, of(3, 2, 1)), "another leader's entry");
+        assert!(!own(&log, of(2, 1, 1)));
+
+        // The vote is read back when the log is opened again.
+        log.save_vote(&Vote::new_committed(4, 1)).await.unwrap();
+        let reopened = LogStore::open(&db, 1, 1).unwrap();
+        assert!(own(&reopened, of(4, 1, 1)));
+        let other_broker = LogStore::open(&db, 1, 2).unwrap();
+        assert!(!own(&other_broker, of(4, 1, 1)));
+    }
+
+    /// An append is on disk, as its durable state says, once flushed; the log's
+    /// entries from before a restart are on disk from the start.
+    #[tokio::test]
+    async fn an_appends_durable_state_follows_its_flush() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path(), Durability::Fsync).unwrap();
+        let mut log = LogStore::open(&db, 1, 1).unwrap();
+        log.save_vote(&Vote::new_committed(1, 1)).await.unwrap();
+        let d = log.durable();
+        let seq = d.wrote(1);
+        log.write(entries(1..=3)).unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let durable = d.clone();
+        db.after_flush(move |r| {
+            durable.flushed(seq, id(3), &r);
+            let _ = tx.send(());
+        });
+        rx.await.unwrap();
+        tokio::time::timeout(Duration::from_secs(5), d.wait_for(3))
+            .await
+            .expect("on disk")
+            .unwrap();
+        assert_eq!(d.clamp_commit(Some(id(3))), Some(id(3)));
+
+        let reopened = LogStore::open(&db, 1, 1).unwrap();
+        assert_eq!(reopened.durable().clamp_commit(Some(id(3))), Some(id(3)));
     }
 
     /// A write hands back the flush signals its entries carry, unfired, so the append
@@ -326,7 +465,7 @@ mod tests {
     async fn a_write_hands_back_the_flush_signals_and_stores_none() {
         let dir = tempfile::tempdir().unwrap();
         let db = Db::open(dir.path(), Durability::Replicated).unwrap();
-        let mut log = LogStore::open(&db, 1).unwrap();
+        let mut log = LogStore::open(&db, 1, 1).unwrap();
         let (signal, mut flushed) = FlushSignal::new();
         let mut written = entries(1..=3);
         written[1].payload = EntryPayload::Normal(Batch {

@@ -8,6 +8,7 @@
 //! - [`sm::StateMachine`] is the openraft state machine: the engine's state,
 //!   persisted atomically with last-applied, and its snapshots.
 
+pub mod durable;
 pub mod log;
 pub mod sm;
 
@@ -160,6 +161,12 @@ impl Db {
         let db = Database::builder(dir)
             .max_journaling_size(MAX_JOURNALING_BYTES)
             .open()?;
+        // What a stopped broker left in the OS's cache is on disk from here on: this
+        // broker tells peers of its log as stored, and a leader counts its own
+        // entries as stored before they are flushed (see [`durable`]).
+        if durability == Durability::Fsync {
+            db.persist(PersistMode::SyncData)?;
+        }
         let queue = Arc::new(SyncQueue::default());
         let flushers = match durability {
             Durability::Fsync => FLUSHERS,

@@ -2,6 +2,7 @@
 //! atomically with last-applied (one write batch per `apply` call), and its
 //! snapshots (the whole state, written to a file so it survives restarts).
 
+use super::durable::Durable;
 use super::{read_err, write_err, Db};
 use crate::engine::{Applied, Changes, Counters, Job, State};
 use crate::raft::TypeConfig;
@@ -133,9 +134,18 @@ pub struct StateMachine {
     shared: Arc<SharedState>,
     snapshot: Arc<Mutex<Option<StoredSnapshot>>>,
     snapshot_path: PathBuf,
+    /// The flush state of the partition's log: an entry is applied once on disk.
+    durable: Option<Arc<Durable>>,
 }
 
 impl StateMachine {
+    /// Applies each entry only once the partition's log holds it on disk (see
+    /// [`Durable`]).
+    pub fn with_durable(mut self, durable: Arc<Durable>) -> StateMachine {
+        self.durable = Some(durable);
+        self
+    }
+
     /// Opens the state of `partition`, loading its jobs and the last snapshot.
     pub fn open(
         db: &Db,
@@ -173,6 +183,7 @@ impl StateMachine {
             })),
             snapshot: Arc::new(Mutex::new(snapshot)),
             snapshot_path,
+            durable: None,
         })
     }
 
@@ -268,6 +279,10 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
+        let entries: Vec<Entry<TypeConfig>> = entries.into_iter().collect();
+        if let (Some(durable), Some(last)) = (&self.durable, entries.last()) {
+            durable.wait_for(last.log_id.index).await?;
+        }
         let mut replies = Vec::new();
         let mut changes = Changes::new();
         let next;
