@@ -765,8 +765,8 @@ async fn a_backlog_on_one_partition_gets_the_streams_whole_credit() {
     assert!(got.iter().all(|k| keys.contains(k)));
 }
 
-/// A whole cluster that restarts, its gateway too, resumes its leaders (here in the
-/// same term): no link of the old gateway ends at the new leaders, yet the jobs it
+/// A whole cluster that restarts, its gateway too, elects its leaders anew: no link
+/// of the old gateway ends at the new leaders, yet the jobs it
 /// had handed out, pushed or polled, run again once the lost-gateway grace has
 /// passed, not after their activation timeouts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1482,9 +1482,9 @@ async fn caught_up_in(p: &Partition, term: u64) -> bool {
 /// Run by a replica once it begins to lead in this process. The jobs handed out
 /// (pushed, or answered to a poll) through a gateway with no link here may have gone
 /// with a gateway that died while this replica did not lead here: its links ended at
-/// an earlier leader, or at this broker before it restarted (a whole cluster that
-/// restarts resumes its leaders in the same term, so [`reconcile_pushes`] finds no
-/// earlier leader's pushes), and no [`Partition::gateway_lost`] timer runs for them.
+/// an earlier leader, or at this broker before it restarted, and no
+/// [`Partition::gateway_lost`] timer runs for them ([`reconcile_pushes`] gets to
+/// those of earlier terms too, but only after [`GATEWAY_GRACE`]).
 /// Those of gateways that have not said hello here within the lost-gateway grace
 /// are then treated as that timer treats them; without a grace they wait for their
 /// activation timeouts.

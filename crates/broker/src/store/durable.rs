@@ -20,7 +20,7 @@ type NodeId = u64;
 
 /// The flush state of one partition's log, shared by its log store, its state
 /// machine and its Raft network.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Durable {
     writes: Mutex<Writes>,
     flushed: watch::Sender<Flushed>,
@@ -32,29 +32,23 @@ struct Writes {
     next_seq: u64,
     /// (first index written, sequence number) of each unflushed write.
     unflushed: VecDeque<(u64, u64)>,
+    /// The highest commit index found on disk here when it was told to followers:
+    /// committed by a majority of flushed copies, so never truncated.
+    safe_commit: Option<LogId<NodeId>>,
 }
 
 #[derive(Debug, Clone, Default)]
 struct Flushed {
     /// Every write numbered up to this one is flushed.
     seq: u64,
-    /// The last log id of the latest flushed write (or of the log when opened).
-    last: Option<LogId<NodeId>>,
     /// A flush failed: nothing written from then on can be counted on.
     failed: Option<Arc<str>>,
 }
 
 impl Durable {
-    /// The state of a log opened with `last` as its last entry, all of it on disk.
-    pub fn new(last: Option<LogId<NodeId>>) -> Arc<Durable> {
-        let (flushed, _) = watch::channel(Flushed {
-            last,
-            ..Flushed::default()
-        });
-        Arc::new(Durable {
-            writes: Mutex::new(Writes::default()),
-            flushed,
-        })
+    /// The state of a log whose entries are all on disk.
+    pub fn new() -> Arc<Durable> {
+        Arc::default()
     }
 
     fn writes(&self) -> std::sync::MutexGuard<'_, Writes> {
@@ -71,31 +65,29 @@ impl Durable {
         seq
     }
 
-    /// Notes that write `seq`, whose last entry is `last`, and every write before
-    /// it, were flushed (or that the flush failed).
-    pub fn flushed(&self, seq: u64, last: LogId<NodeId>, result: &std::io::Result<()>) {
+    /// Notes that write `seq` and every write before it were flushed, or that the
+    /// flush failed (said before anything counts as flushed).
+    pub fn flushed(&self, seq: u64, result: &std::io::Result<()>) {
+        if let Err(e) = result {
+            self.flushed.send_modify(|f| {
+                f.failed.get_or_insert_with(|| e.to_string().into());
+            });
+            return;
+        }
         {
             let mut w = self.writes();
             while w.unflushed.front().is_some_and(|&(_, s)| s <= seq) {
                 w.unflushed.pop_front();
             }
         }
-        self.flushed.send_modify(|f| {
-            if let Err(e) = result {
-                f.failed.get_or_insert_with(|| e.to_string().into());
-            } else if seq > f.seq {
-                f.seq = seq;
-                f.last = Some(last);
-            }
-        });
+        self.flushed.send_modify(|f| f.seq = f.seq.max(seq));
     }
 
     /// The number of the write that must be flushed before the entry at `index` is
     /// on disk, if any: the latest unflushed write that starts at or below it (an
     /// entry rewritten after a truncation is held by the later write).
-    fn pending_for(&self, index: u64) -> Option<u64> {
-        self.writes()
-            .unflushed
+    fn pending_for(w: &Writes, index: u64) -> Option<u64> {
+        w.unflushed
             .iter()
             .rev()
             .find(|&&(first, _)| first <= index)
@@ -104,7 +96,8 @@ impl Durable {
 
     /// Waits until the log entries up to `index` are on disk.
     pub async fn wait_for(&self, index: u64) -> Result<(), StorageError<NodeId>> {
-        let Some(seq) = self.pending_for(index) else {
+        let pending = Self::pending_for(&self.writes(), index);
+        let Some(seq) = pending else {
             return self.check();
         };
         let started = std::time::Instant::now();
@@ -127,17 +120,25 @@ impl Durable {
         }
     }
 
-    /// `commit`, or the last flushed entry where `commit` is beyond it: the commit
-    /// index a leader may tell its followers.
+    /// The commit index a leader may tell its followers, given openraft's
+    /// `commit`: `commit` itself once every entry up to it is on disk here, else
+    /// the last commit index that was (or `commit`, if lower).
     pub fn clamp_commit(&self, commit: Option<LogId<NodeId>>) -> Option<LogId<NodeId>> {
-        let f = self.flushed.borrow();
-        if f.failed.is_some() {
+        if self.flushed.borrow().failed.is_some() {
             return None;
         }
-        match (commit, f.last) {
-            (Some(c), Some(l)) if c.index > l.index => Some(l),
-            (Some(_), None) => None,
-            (c, _) => c,
+        let c = commit?;
+        let mut w = self.writes();
+        if Self::pending_for(&w, c.index).is_none() {
+            if w.safe_commit.is_none_or(|s| s.index < c.index) {
+                w.safe_commit = Some(c);
+            }
+            return Some(c);
+        }
+        match w.safe_commit {
+            Some(s) if s.index < c.index => Some(s),
+            Some(_) => Some(c),
+            None => None,
         }
     }
 }
@@ -171,7 +172,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_entry_counts_as_on_disk_once_the_write_that_holds_it_is_flushed() {
-        let d = Durable::new(Some(id(1, 4)));
+        let d = Durable::new();
         assert!(ready(d.wait_for(4)).is_some(), "opened on disk");
         let a = d.wrote(5); // 5..=6
         let b = d.wrote(7); // 7..=9
@@ -183,49 +184,80 @@ mod tests {
             let d = d.clone();
             async move { d.wait_for(6).await }
         });
-        d.flushed(a, id(2, 6), &Ok(()));
+        d.flushed(a, &Ok(()));
         assert!(waiting.await.unwrap().is_ok());
         assert!(ready(d.wait_for(6)).is_some());
         assert!(ready(d.wait_for(7)).is_none(), "held by the second write");
-        d.flushed(b, id(2, 9), &Ok(()));
+        d.flushed(b, &Ok(()));
         assert!(ready(d.wait_for(9)).is_some());
     }
 
     #[tokio::test]
     async fn an_entry_rewritten_after_a_truncation_waits_for_its_new_write() {
-        let d = Durable::new(None);
+        let d = Durable::new();
         let a = d.wrote(1); // 1..=5
-        d.flushed(a, id(1, 5), &Ok(()));
-        let _rewrite = d.wrote(4); // 4..=6, under a new leader
+        d.flushed(a, &Ok(()));
+        let rewrite = d.wrote(4); // 4..=6, under a new leader
         assert!(ready(d.wait_for(3)).is_some());
         assert!(ready(d.wait_for(4)).is_none());
         assert!(ready(d.wait_for(6)).is_none());
+        d.flushed(rewrite, &Ok(()));
+        assert!(ready(d.wait_for(6)).is_some());
     }
 
     #[tokio::test]
     async fn a_failed_flush_fails_every_wait_and_stops_the_commit_index() {
-        let d = Durable::new(Some(id(1, 2)));
+        let d = Durable::new();
         let a = d.wrote(3);
         let waiting = tokio::spawn({
             let d = d.clone();
             async move { d.wait_for(3).await }
         });
-        d.flushed(a, id(1, 3), &Err(std::io::Error::other("disk gone")));
+        d.flushed(a, &Err(std::io::Error::other("disk gone")));
         let e = waiting.await.unwrap().unwrap_err();
         assert!(e.to_string().contains("disk gone"), "{e}");
+        assert!(
+            ready(d.wait_for(3)).unwrap().is_err(),
+            "not taken as flushed"
+        );
         assert!(ready(d.wait_for(1)).unwrap().is_err());
         assert_eq!(d.clamp_commit(Some(id(1, 2))), None);
     }
 
     #[test]
-    fn the_commit_index_told_to_followers_stops_at_the_flushed_log() {
-        let d = Durable::new(Some(id(1, 4)));
+    fn the_commit_index_told_to_followers_stops_at_what_is_on_disk_here() {
+        let d = Durable::new();
         assert_eq!(d.clamp_commit(None), None);
-        assert_eq!(d.clamp_commit(Some(id(1, 3))), Some(id(1, 3)));
-        let a = d.wrote(5);
-        assert_eq!(d.clamp_commit(Some(id(2, 6))), Some(id(1, 4)));
-        d.flushed(a, id(2, 6), &Ok(()));
+        assert_eq!(d.clamp_commit(Some(id(1, 3))), Some(id(1, 3)), "on disk");
+        let a = d.wrote(4); // 4..=6
+        assert_eq!(d.clamp_commit(Some(id(1, 2))), Some(id(1, 2)), "lower");
+        assert_eq!(
+            d.clamp_commit(Some(id(2, 6))),
+            Some(id(1, 3)),
+            "the last commit index that was on disk"
+        );
+        d.flushed(a, &Ok(()));
         assert_eq!(d.clamp_commit(Some(id(2, 6))), Some(id(2, 6)));
-        assert_eq!(Durable::new(None).clamp_commit(Some(id(1, 1))), None);
+
+        // Nothing known on disk yet (a log opened empty, or fully purged): none.
+        let fresh = Durable::new();
+        fresh.wrote(1);
+        assert_eq!(fresh.clamp_commit(Some(id(1, 1))), None);
+    }
+
+    /// After a truncation the commit index told is never one from the cut-off
+    /// entries: only commit indexes once found on disk are told while a write of
+    /// the new leader's entries is pending.
+    #[test]
+    fn a_truncated_log_tells_no_commit_index_of_the_entries_cut_off() {
+        let d = Durable::new();
+        let a = d.wrote(1); // 1..=6 as a follower
+        d.flushed(a, &Ok(()));
+        assert_eq!(d.clamp_commit(Some(id(2, 4))), Some(id(2, 4)));
+        // 5..=6 cut off by a later leader; this broker leads next, writing 5..=6 anew.
+        let b = d.wrote(5);
+        assert_eq!(d.clamp_commit(Some(id(4, 6))), Some(id(2, 4)));
+        d.flushed(b, &Ok(()));
+        assert_eq!(d.clamp_commit(Some(id(4, 6))), Some(id(4, 6)));
     }
 }
