@@ -248,6 +248,7 @@ fn outcome(r: &Result<Reply, BrokerError>) -> &'static str {
         Err(BrokerError::NoMajority(_)) => "no_majority",
         Err(BrokerError::NotLeader { .. }) => "not_leader",
         Err(BrokerError::Internal(_)) => "internal",
+        Err(BrokerError::OutcomeUnknown(_)) => "outcome_unknown",
     }
 }
 

@@ -318,7 +318,7 @@ pub async fn status(opts: ClientOpts) -> anyhow::Result<()> {
 /// Said of a create whose answer was lost: it is not retried (that could create the
 /// job twice), and it may have been carried out.
 const MAYBE_CREATED: &str =
-    "the connection broke before the answer: the job may have been created (look for it before creating it again)";
+    "no answer came (the connection broke, or the cluster did not answer in time): the job may have been created (look for it before creating it again)";
 
 /// A failed create as reported: with `context`, and the warning of
 /// [`MAYBE_CREATED`] when its answer was lost.

@@ -403,12 +403,25 @@ impl Shared {
                     }
                     last = Some(f.error);
                 }
-                Err(f) => return Err(f.error.into()),
+                Err(f) => return Err(maybe_created(f.error).into()),
             }
         }
         Err(last
             .unwrap_or_else(|| BrokerError::Unavailable("request deadline passed".into()))
             .into())
+    }
+}
+
+/// A create that failed after it may have reached a leader: unavailable then means
+/// the outcome is unknown (the leader may have appended it, and a later leader
+/// commits it), so the client is told not to send it again blindly (UNAVAILABLE is
+/// what clients retry on their own, which would create the job twice).
+fn maybe_created(e: BrokerError) -> BrokerError {
+    match e {
+        BrokerError::Unavailable(m) => BrokerError::OutcomeUnknown(format!(
+            "{m}; the job may have been created: look for it before creating it again"
+        )),
+        other => other,
     }
 }
 
@@ -1013,6 +1026,26 @@ fn create_batch(jobs: &[v1::CreateJobRequest]) -> Result<Vec<NewJob>, GatewayErr
 
 #[cfg(test)]
 mod tests {
+
+    /// A create whose attempt may have reached a leader and then went unanswered is
+    /// reported as of unknown outcome (DEADLINE_EXCEEDED, which clients do not
+    /// resend on their own), never as UNAVAILABLE; other answers stay as they are.
+    #[test]
+    fn a_create_that_may_have_reached_a_leader_fails_with_an_unknown_outcome() {
+        let status: tonic::Status =
+            maybe_created(BrokerError::Unavailable("broker 3 timed out".into())).into();
+        assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
+        assert!(
+            status.message().contains("broker 3 timed out")
+                && status.message().contains("may have been created"),
+            "{}",
+            status.message()
+        );
+        let refused: tonic::Status =
+            maybe_created(BrokerError::InvalidArgument("bad variables".into())).into();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    }
+
     use super::*;
 
     use crate::topology::{Leader, PartitionReport};

@@ -271,6 +271,12 @@ pub enum BrokerError {
     /// on such a leader, and may create elsewhere.
     #[error("{0}")]
     NoMajority(String),
+    /// No answer came in time where the command may have been carried out (a create
+    /// appended by a leader that then lost its majority commits under the next
+    /// one). DEADLINE_EXCEEDED to clients, which gRPC defines as "may have
+    /// completed": a client must not simply send it again.
+    #[error("{0}")]
+    OutcomeUnknown(String),
 }
 
 impl BrokerError {
@@ -298,6 +304,7 @@ impl From<BrokerError> for tonic::Status {
             BrokerError::Unavailable(m) | BrokerError::NoMajority(m) => Status::unavailable(m),
             e @ BrokerError::NotLeader { .. } => Status::unavailable(e.to_string()),
             BrokerError::Internal(m) => Status::internal(m),
+            BrokerError::OutcomeUnknown(m) => Status::deadline_exceeded(m),
         }
     }
 }
