@@ -161,12 +161,11 @@ impl Db {
         let db = Database::builder(dir)
             .max_journaling_size(MAX_JOURNALING_BYTES)
             .open()?;
-        // What a stopped broker left in the OS's cache is on disk from here on: this
-        // broker tells peers of its log as stored, and a leader counts its own
-        // entries as stored before they are flushed (see [`durable`]).
-        if durability == Durability::Fsync {
-            db.persist(PersistMode::SyncData)?;
-        }
+        // What a stopped broker left in the OS's cache is on disk from here on, as
+        // this broker tells peers of its log as stored (and a leader counts its own
+        // entries as stored before they are flushed, see [`durable`]): fjall's
+        // recovery syncs the active journal when it opens one (3.1, `recover`), and
+        // older journals were synced when it moved past them.
         let queue = Arc::new(SyncQueue::default());
         let flushers = match durability {
             Durability::Fsync => FLUSHERS,
