@@ -1476,6 +1476,72 @@ async fn partitions_go_back_to_their_preferred_leader_once_it_is_back() {
     );
 }
 
+/// The two brokers left when a leader dies elect one of them even when their
+/// election timers keep in step (here the same timeout, give or take 1 ms). Each
+/// round kills the leader soon after the broker killed the round before is back,
+/// so a survivor often lacks the dead leader's last entries. Before, when that
+/// survivor had the higher id, it stood again and again: each time it raised the
+/// term, which turned away the other survivor's candidacy for that same term, and
+/// the partition had no leader for as long as the timers kept in step (a CI run
+/// saw 10 s). Now a candidate refused for a longer log waits longer before it
+/// stands again, as openraft's own timer would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn survivors_whose_election_timers_keep_in_step_elect_a_leader() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts {
+        partitions: 1,
+        election_timeout: Some(("300ms", "301ms")),
+        rebalance_after: Some("off"),
+        ..ClusterOpts::default()
+    })
+    .await;
+    let c = cluster.client();
+    let mut keys = Vec::new();
+    for round in 0..10 {
+        let dead = cluster.leaders().await[&1];
+        keys.push(
+            c.create_job(NewJob::new("in-step"))
+                .await
+                .unwrap_or_else(|e| panic!("round {round}: create: {e}"))
+                .key,
+        );
+        cluster.kill_broker(dead);
+        let killed = Instant::now();
+        wait_until(
+            Duration::from_secs(6),
+            &format!("round {round}: a survivor of broker {dead} leads partition 1"),
+            || async { cluster.leaders().await.get(&1).is_some_and(|&l| l != dead) },
+        )
+        .await;
+        let took = killed.elapsed();
+        cluster.start_broker(dead);
+        // Back as a follower, not necessarily caught up.
+        wait_until(
+            Duration::from_secs(10),
+            &format!("round {round}: broker {dead} follows again (the election took {took:?})"),
+            || async {
+                cluster.broker_topology(dead).await.is_some_and(|t| {
+                    t.partitions
+                        .iter()
+                        .any(|p| p.partition_id == 1 && p.role == "follower")
+                })
+            },
+        )
+        .await;
+    }
+    // No acknowledged job was lost on the way.
+    let mut got = activate_n(
+        &c,
+        poll("in-step", 100),
+        keys.len(),
+        Duration::from_secs(20),
+    )
+    .await;
+    got.sort_unstable();
+    keys.sort_unstable();
+    assert_eq!(got, keys);
+}
+
 /// A create sent to a leader that then stops answering (here frozen) may have been
 /// applied there, so the gateway cannot move it to another partition: it waits out
 /// the failover and sends it to the partition's next leader, instead of giving up

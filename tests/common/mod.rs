@@ -71,6 +71,9 @@ pub struct ClusterOpts {
     pub lost_gateway_grace: Option<&'static str>,
     /// `--rebalance-after` of every broker (None: its default).
     pub rebalance_after: Option<&'static str>,
+    /// `--election-timeout-min` and `--election-timeout-max` of every broker
+    /// (None: their defaults).
+    pub election_timeout: Option<(&'static str, &'static str)>,
 }
 
 impl Default for ClusterOpts {
@@ -86,6 +89,7 @@ impl Default for ClusterOpts {
             worker_threads: None,
             lost_gateway_grace: None,
             rebalance_after: None,
+            election_timeout: None,
         }
     }
 }
@@ -294,6 +298,14 @@ impl Cluster {
         }
         if let Some(after) = self.opts.rebalance_after {
             args.extend(["--rebalance-after".to_string(), after.to_string()]);
+        }
+        if let Some((min, max)) = self.opts.election_timeout {
+            args.extend([
+                "--election-timeout-min".to_string(),
+                min.to_string(),
+                "--election-timeout-max".to_string(),
+                max.to_string(),
+            ]);
         }
         let log = self.dir.path().join(format!("broker-{id}.log"));
         self.brokers.insert(id, Proc::spawn(&args, log));

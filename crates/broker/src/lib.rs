@@ -114,11 +114,13 @@ pub async fn run(
             .map_err(|e| Error::Storage(e.to_string()))?
             .with_durable(log.durable());
         let shared = sm.shared();
+        let longer_log = Arc::new(raft::LongerLog::default());
         let network = Network {
             partition: id,
             peers: peers.clone(),
             addrs: addrs.clone(),
             durable: log.durable(),
+            longer_log: longer_log.clone(),
         };
         let raft = Raft::new(config.node_id, raft_config, network, log, sm)
             .await
@@ -131,6 +133,7 @@ pub async fn run(
             notices.clone(),
             registry.clone(),
             config.lost_gateway_grace,
+            longer_log,
             &tasks,
             shutdown.clone(),
         );
@@ -252,8 +255,9 @@ const PAUSE_THRESHOLD: Duration = Duration::from_millis(250);
 
 /// Starts elections for this broker's replicas, in place of openraft's timer
 /// (`enable_elect` is off, see [`BrokerConfig::raft_config`]): a follower stands
-/// when it has heard nothing of a leader (no append-entries, no vote request) for
-/// the leader's lease and its election timeout, drawn anew for each election, as
+/// when it has heard nothing of a leader (no append-entries, no vote granted) for
+/// the leader's lease and its election timeout, drawn anew for each election, and
+/// later still after a voter refused it for a longer log ([`election_wait`]), as
 /// openraft 0.9 would. Unlike openraft's timer, it tells a silent leader from a
 /// pause of this process (frozen by SIGSTOP, a stalled virtual machine, starved of
 /// CPU): after one it counts every replica's silence from the moment it runs again.
@@ -310,21 +314,63 @@ async fn drive_elections(
                     m.vote.is_committed(),
                 )
             };
-            let wait = match (voters, candidate, committed) {
-                // The only voter: at once, and again only if that did not end.
-                (1, false, _) => Duration::ZERO,
-                (_, _, true) => lease + timeout[i],
-                _ => timeout[i],
-            };
+            let wait = election_wait(
+                Silence {
+                    voters,
+                    candidate,
+                    committed,
+                    longer_log_seen: p.longer_log.seen(),
+                },
+                lease,
+                timeout[i],
+            );
             if now.duration_since(p.last_heard_from_leader()) <= wait {
                 continue;
             }
             p.heard_from_leader_at(now);
+            p.longer_log.clear();
             timeout[i] = draw();
             if let Err(e) = p.raft.trigger().elect().await {
                 tracing::warn!(partition = p.id.0, error = %e, "could not start an election");
             }
         }
+    }
+}
+
+/// What a replica that does not lead knows when its election driver looks at it.
+#[derive(Clone, Copy, Debug)]
+struct Silence {
+    /// Voters of the partition, this replica among them.
+    voters: usize,
+    /// Whether it stands for election now.
+    candidate: bool,
+    /// Whether the vote it holds is a leader's, granted by a quorum.
+    committed: bool,
+    /// Whether a voter refused its last candidacy for a longer log
+    /// ([`raft::LongerLog`]).
+    longer_log_seen: bool,
+}
+
+/// How long a replica must have heard nothing of a leader before it stands for
+/// election, as openraft 0.9's own timer has it: `lease` is the leader's lease (the
+/// longest election timeout), `timeout` this election's timeout, drawn at random.
+fn election_wait(s: Silence, lease: Duration, timeout: Duration) -> Duration {
+    let wait = match s {
+        // The only voter: at once, and again only if that did not end.
+        Silence {
+            voters: 1,
+            candidate: false,
+            ..
+        } => return Duration::ZERO,
+        Silence {
+            committed: true, ..
+        } => lease + timeout,
+        _ => timeout,
+    };
+    if s.longer_log_seen {
+        wait + lease * raft::LongerLog::BACK_OFF
+    } else {
+        wait
     }
 }
 
@@ -508,5 +554,58 @@ async fn track_leadership(part: Arc<Partition>, shutdown: CancellationToken) {
             _ = shutdown.cancelled() => return,
             r = m.changed() => if r.is_err() { return },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LEASE: Duration = Duration::from_millis(600);
+    const TIMEOUT: Duration = Duration::from_millis(400);
+
+    fn silence(voters: usize, candidate: bool, committed: bool, longer: bool) -> Silence {
+        Silence {
+            voters,
+            candidate,
+            committed,
+            longer_log_seen: longer,
+        }
+    }
+
+    fn wait(s: Silence) -> Duration {
+        election_wait(s, LEASE, TIMEOUT)
+    }
+
+    #[test]
+    fn a_follower_of_a_leader_waits_out_its_lease_and_a_candidate_its_timeout() {
+        // It followed a leader (the vote it holds is committed): lease, then timeout.
+        assert_eq!(wait(silence(3, false, true, false)), LEASE + TIMEOUT);
+        // It granted a vote, or stands itself: the timeout alone.
+        assert_eq!(wait(silence(3, false, false, false)), TIMEOUT);
+        assert_eq!(wait(silence(3, true, false, false)), TIMEOUT);
+        // The only voter stands at once, and waits for an election of its own
+        // that did not end.
+        assert_eq!(wait(silence(1, false, false, false)), Duration::ZERO);
+        assert_eq!(wait(silence(1, false, false, true)), Duration::ZERO);
+        assert_eq!(wait(silence(1, true, false, false)), TIMEOUT);
+    }
+
+    /// The survivor a voter with a longer log refused stands again only after that
+    /// voter's longest wait has surely run out, so the voter stands first: with both
+    /// on the same timeout, they took turns raising the term for as long as their
+    /// timers kept in step, and no leader was elected (a cluster test's failure).
+    #[test]
+    fn a_candidate_refused_for_a_longer_log_lets_that_voter_stand_first() {
+        let refused = wait(silence(3, true, false, true));
+        assert_eq!(refused, TIMEOUT + 2 * LEASE);
+        // Longer than the voter's longest wait after it last stood or granted a
+        // vote: the longest timeout.
+        assert!(refused > LEASE);
+        assert_eq!(wait(silence(3, false, false, true)), TIMEOUT + 2 * LEASE);
+        assert_eq!(
+            wait(silence(3, false, true, true)),
+            LEASE + TIMEOUT + 2 * LEASE
+        );
     }
 }

@@ -206,6 +206,8 @@ pub struct Partition {
     /// In µs since `started`; an atomic, since every append-entries sets it.
     leader_heard_us: AtomicU64,
     started: std::time::Instant,
+    /// Whether a voter refused this replica's last candidacy for a longer log.
+    pub longer_log: Arc<crate::raft::LongerLog>,
     shutdown: CancellationToken,
 }
 
@@ -236,6 +238,7 @@ impl Partition {
         notices: Notices,
         registry: Arc<JobStreamRegistry>,
         lost_gateway_grace: Option<Duration>,
+        longer_log: Arc<crate::raft::LongerLog>,
         tasks: &tokio_util::task::TaskTracker,
         shutdown: CancellationToken,
     ) -> Arc<Partition> {
@@ -264,6 +267,7 @@ impl Partition {
             stopping: AtomicBool::new(false),
             leader_heard_us: AtomicU64::new(0),
             started: std::time::Instant::now(),
+            longer_log,
             shutdown: shutdown.clone(),
         });
         let span = tracing::info_span!("partition", partition = id.0, node = node_id);
@@ -561,6 +565,7 @@ impl Partition {
         metrics::ELECTIONS_ASKED
             .with_label_values(&["started"])
             .inc();
+        self.longer_log.clear();
         self.raft
             .trigger()
             .elect()

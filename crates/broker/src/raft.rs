@@ -22,7 +22,7 @@ use openraft::raft::{
 };
 use openraft::{BasicNode, LogId, SnapshotMeta, Vote};
 use serde::{Deserialize, Serialize};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -291,6 +291,46 @@ pub struct Network {
     pub addrs: Arc<std::collections::BTreeMap<NodeId, String>>,
     /// The flush state of this replica's log of the partition.
     pub durable: Arc<Durable>,
+    /// Told when a voter refuses this replica's candidacy with a longer log.
+    pub longer_log: Arc<LongerLog>,
+}
+
+/// Whether a voter refused one of this replica's candidacies holding a longer log
+/// than the candidate stood with. Such a candidate cannot win while that voter is
+/// up, and each time it stands it raises the term and turns away the voter's own
+/// candidacy for that term (a vote of the same term for a higher node id wins the
+/// tie): two survivors of a dead leader could take turns at this for as long as
+/// their timers keep in step. openraft 0.9's own election timer waits
+/// [`LongerLog::BACK_OFF`] longer before it stands again after such a refusal; the
+/// broker's election driver (`drive_elections`, which replaces that timer) does the
+/// same, so the voter with the longer log stands first.
+#[derive(Debug, Default)]
+pub struct LongerLog(AtomicBool);
+
+impl LongerLog {
+    /// How much later than its election timeout a replica that was refused for a
+    /// shorter log stands again, in multiples of the longest election timeout:
+    /// openraft 0.9's `smaller_log_timeout`.
+    pub const BACK_OFF: u32 = 2;
+
+    /// Notes the reply to a candidacy that stood with `last`, this replica's last
+    /// log id then; true when it refuses it for a longer log.
+    pub fn note_reply(&self, last: Option<&LogId<NodeId>>, reply: &VoteResponse<NodeId>) -> bool {
+        let longer = !reply.vote_granted && reply.last_log_id.as_ref() > last;
+        if longer {
+            self.0.store(true, Ordering::Relaxed);
+        }
+        longer
+    }
+
+    pub fn seen(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Forgets it: this replica stands again, or a leader's entries reached it.
+    pub fn clear(&self) {
+        self.0.store(false, Ordering::Relaxed);
+    }
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -307,6 +347,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             link: self.peers.link(addr).map_err(Arc::new),
             told: Told::default(),
             durable: self.durable.clone(),
+            longer_log: self.longer_log.clone(),
         }
     }
 }
@@ -324,6 +365,7 @@ pub struct PeerClient {
     /// The flush state of this replica's log: the commit index a follower is told
     /// never passes it.
     durable: Arc<Durable>,
+    longer_log: Arc<LongerLog>,
 }
 
 /// How soon after the peer accepted a leader's entries that leader's news of
@@ -531,7 +573,15 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
     ) -> Result<VoteResponse<NodeId>, RpcErr> {
-        self.call(RaftCall::Vote, &rpc, &option).await
+        let reply: VoteResponse<NodeId> = self.call(RaftCall::Vote, &rpc, &option).await?;
+        if self.longer_log.note_reply(rpc.last_log_id.as_ref(), &reply) {
+            tracing::info!(
+                partition = self.partition.0,
+                voter = self.target,
+                "refused by a voter with a longer log: this replica stands again only after a longer wait"
+            );
+        }
+        Ok(reply)
     }
 }
 
@@ -546,6 +596,37 @@ mod tests {
 
     fn vote() -> Vote<NodeId> {
         Vote::new_committed(2, 1)
+    }
+
+    /// A refusal by a voter holding a longer log than the candidate stood with is
+    /// noted; a refusal for any other reason (a vote of a higher term, a leader's
+    /// lease), and a vote granted, are not.
+    #[test]
+    fn a_refusal_for_a_longer_log_is_noted() {
+        let at = |term, node, index| Some(LogId::new(CommittedLeaderId::new(term, node), index));
+        let reply = |granted, last| VoteResponse {
+            vote: Vote::new(7, 3),
+            vote_granted: granted,
+            last_log_id: last,
+        };
+        let seen = LongerLog::default();
+        let mine = at(5, 3, 5);
+        // Same log, or shorter: not noted.
+        assert!(!seen.note_reply(mine.as_ref(), &reply(false, mine)));
+        assert!(!seen.note_reply(mine.as_ref(), &reply(false, at(5, 3, 4))));
+        assert!(!seen.note_reply(mine.as_ref(), &reply(true, mine)));
+        assert!(!seen.seen());
+        // A later term's entry, or more entries of the same term.
+        assert!(seen.note_reply(mine.as_ref(), &reply(false, at(21, 1, 6))));
+        assert!(seen.seen());
+        seen.clear();
+        assert!(seen.note_reply(mine.as_ref(), &reply(false, at(5, 3, 6))));
+        seen.clear();
+        // A candidate with an empty log.
+        assert!(seen.note_reply(None, &reply(false, at(1, 1, 1))));
+        assert!(seen.seen());
+        seen.clear();
+        assert!(!seen.seen());
     }
 
     /// An append-entries of leader 1 in term 2: `entries` entries after index

@@ -56,12 +56,14 @@ fn partition(partitions: &Partitions, id: u32) -> Result<&Arc<Partition>, Status
 
 /// A leader's append-entries (`vote` names the sender) reached replica `p`: the
 /// peer answers, and `p` stands for no election before an election timeout from
-/// now.
+/// now, nor later than that for a longer log it heard of as a candidate: it
+/// follows a leader now.
 fn heard_from(peers: &crate::raft::PeerChannels, p: &Partition, vote: &openraft::Vote<u64>) {
     if let Some(sender) = vote.leader_id().voted_for() {
         peers.heard_from(sender);
     }
     p.heard_from_leader_at(std::time::Instant::now());
+    p.longer_log.clear();
 }
 
 /// Serves one request of a Raft stream: the encoded openraft reply.

@@ -106,6 +106,15 @@ pub struct BrokerArgs {
     /// Log entries kept behind a snapshot for lagging followers.
     #[arg(long, default_value_t = RaftTuning::default().keep_after_snapshot)]
     keep_after_snapshot: u64,
+    /// The shortest election timeout [default: 300ms]. A follower that hears
+    /// nothing of its leader for the leader's lease (the longest timeout) and a
+    /// timeout drawn between the shortest and the longest stands for election.
+    /// Above the heartbeat (150ms), and the same on every broker.
+    #[arg(long, value_parser = crate::client_cmds::parse_duration)]
+    election_timeout_min: Option<Duration>,
+    /// The longest election timeout, also the leader's lease [default: 600ms].
+    #[arg(long, value_parser = crate::client_cmds::parse_duration)]
+    election_timeout_max: Option<Duration>,
     #[command(flatten)]
     lost_gateway: LostGateway,
     #[command(flatten)]
@@ -423,12 +432,45 @@ fn check_member(node_id: u64, peers: &BTreeMap<u64, String>) -> anyhow::Result<(
     )
 }
 
+/// The Raft timing and compaction `a` asks for, checked.
+fn raft_tuning(a: &BrokerArgs) -> anyhow::Result<RaftTuning> {
+    let d = RaftTuning::default();
+    let ms = |t: Option<Duration>, default| {
+        t.map_or(default, |t| {
+            u64::try_from(t.as_millis()).unwrap_or(u64::MAX)
+        })
+    };
+    let tuning = RaftTuning {
+        snapshot_every: a.snapshot_every,
+        keep_after_snapshot: a.keep_after_snapshot,
+        election_timeout_min_ms: ms(a.election_timeout_min, d.election_timeout_min_ms),
+        election_timeout_max_ms: ms(a.election_timeout_max, d.election_timeout_max_ms),
+        ..d
+    };
+    if tuning.election_timeout_min_ms <= tuning.heartbeat_ms {
+        anyhow::bail!(
+            "--election-timeout-min ({} ms) must be longer than the heartbeat ({} ms)",
+            tuning.election_timeout_min_ms,
+            tuning.heartbeat_ms
+        );
+    }
+    if tuning.election_timeout_max_ms <= tuning.election_timeout_min_ms {
+        anyhow::bail!(
+            "--election-timeout-max ({} ms) must be longer than --election-timeout-min ({} ms)",
+            tuning.election_timeout_max_ms,
+            tuning.election_timeout_min_ms
+        );
+    }
+    Ok(tuning)
+}
+
 pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
     init_tracing(SERVER_LOG);
     tracing::info!(worker_threads = runtime_workers(), "starting the broker");
     let shutdown = shutdown_on_signal();
     let mut brokers = parse_peers(&a.peers)?;
     check_member(a.node_id, &brokers)?;
+    let raft = raft_tuning(&a)?;
     brokers.entry(a.node_id).or_insert_with(|| a.addr.clone());
     let listener = bind(&a.addr).await?;
     if let Some(m) = &a.metrics_addr {
@@ -441,11 +483,7 @@ pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
         replication_factor: a.replication_factor,
         data_dir: a.data_dir,
         durability: a.durability,
-        raft: RaftTuning {
-            snapshot_every: a.snapshot_every,
-            keep_after_snapshot: a.keep_after_snapshot,
-            ..RaftTuning::default()
-        },
+        raft,
         lost_gateway_grace: a.lost_gateway.lost_gateway_grace.0,
         hand_off_leadership: true,
         rebalance_after: a.rebalance.rebalance_after.0,
@@ -550,6 +588,52 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("ID=HOST:PORT"));
+    }
+
+    #[test]
+    fn election_timeouts_default_and_bad_ones_say_why() {
+        #[derive(clap::Parser)]
+        struct Args {
+            #[command(flatten)]
+            broker: BrokerArgs,
+        }
+        let tuning = |extra: &[&str]| {
+            let base = [
+                "courier",
+                "--node-id",
+                "1",
+                "--addr",
+                "a:1",
+                "--peers",
+                "1=a:1",
+            ];
+            let a = <Args as clap::Parser>::try_parse_from(base.iter().chain(extra))
+                .expect("arguments parse");
+            raft_tuning(&a.broker).map_err(|e| e.to_string())
+        };
+        let d = tuning(&[]).unwrap();
+        assert_eq!(
+            (d.election_timeout_min_ms, d.election_timeout_max_ms),
+            (300, 600)
+        );
+        let t = tuning(&[
+            "--election-timeout-min",
+            "1s",
+            "--election-timeout-max",
+            "2s",
+        ])
+        .unwrap();
+        assert_eq!(
+            (t.election_timeout_min_ms, t.election_timeout_max_ms),
+            (1000, 2000)
+        );
+        let e = tuning(&["--election-timeout-min", "700ms"]).unwrap_err();
+        assert!(e.contains("--election-timeout-max (600 ms) must be longer than --election-timeout-min (700 ms)"), "{e}");
+        let e = tuning(&["--election-timeout-min", "100ms"]).unwrap_err();
+        assert!(
+            e.contains("must be longer than the heartbeat (150 ms)"),
+            "{e}"
+        );
     }
 
     #[test]
