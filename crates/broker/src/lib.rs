@@ -93,7 +93,7 @@ pub async fn run(
     let peers = PeerChannels::new(shutdown.clone());
     let addrs = Arc::new(config.brokers.clone());
     let (notices, _) = tokio::sync::broadcast::channel(4096);
-    let registry = Arc::new(registry::JobStreamRegistry::default());
+    let registry = Arc::new(registry::JobStreamRegistry::for_node(config.node_id));
     let tasks = TaskTracker::new();
 
     let mut partitions = BTreeMap::new();

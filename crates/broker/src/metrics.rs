@@ -276,10 +276,13 @@ pub static LINKS: LazyLock<IntGaugeVec> = LazyLock::new(|| {
 });
 
 /// Aggregated streams registered on this broker (one per gateway and stream).
-pub static STREAMS: LazyLock<IntGauge> = LazyLock::new(|| {
-    register(built(IntGauge::new(
-        "courier_broker_registered_streams",
-        "Aggregated streams registered by gateways on this broker",
+pub static STREAMS: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    register(built(IntGaugeVec::new(
+        Opts::new(
+            "courier_broker_registered_streams",
+            "Aggregated streams registered by gateways on this broker",
+        ),
+        &["node"],
     )))
 });
 
@@ -483,7 +486,7 @@ mod tests {
             .observe(0.1);
         super::LEADER.with_label_values(&["1", "1"]).set(1);
         super::LINKS.with_label_values(&["1"]).set(0);
-        super::STREAMS.set(0);
+        super::STREAMS.with_label_values(&["1"]).set(0);
         super::FINISHED_NOTICES.with_label_values(&["sent"]).inc();
         super::PUSHED_HELD.with_label_values(&["1", "1"]).set(0);
         super::PUSHES.with_label_values(&["accepted"]).inc();

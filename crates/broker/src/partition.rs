@@ -179,6 +179,8 @@ pub struct Partition {
     /// the gateway holding the job. Leader-local.
     pushed: dashmap::DashMap<JobKey, (u64, u64)>,
     pushed_gauge: prometheus::IntGauge,
+    /// Held while `pushed` is counted into its gauge (see [`Partition::pushed_changed`]).
+    pushed_counting: Mutex<()>,
     /// Yields waiting for the next paced batch: (key, lease, deadline).
     yields: Mutex<Vec<(JobKey, u64, i64)>>,
     yield_wake: Notify,
@@ -254,6 +256,7 @@ impl Partition {
             pushed: dashmap::DashMap::new(),
             pushed_gauge: metrics::PUSHED_HELD
                 .with_label_values(&[&node_id.to_string(), &id.to_string()]),
+            pushed_counting: Mutex::new(()),
             yields: Mutex::new(Vec::new()),
             yield_wake: Notify::new(),
             claims: Mutex::new(Claims::default()),
@@ -1286,8 +1289,15 @@ async fn finish_push(
 }
 
 impl Partition {
+    /// Counts `pushed` into its gauge, under a lock: of two changes at once, the
+    /// one counted first could otherwise be set last, and the gauge stay wrong.
     fn pushed_changed(&self) {
-        self.pushed_gauge.set(self.pushed.len() as i64);
+        let _counting = self
+            .pushed_counting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        self.pushed_gauge
+            .set(i64::try_from(self.pushed.len()).unwrap_or(i64::MAX));
     }
 
     /// Queues a yield for the next paced batch.

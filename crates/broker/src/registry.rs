@@ -248,9 +248,22 @@ pub struct JobStreamRegistry {
     left: DashMap<String, ()>,
     /// Rotates the choice among logical streams and recipients, per lookup.
     turn: AtomicUsize,
+    /// This broker's `courier_broker_registered_streams` (none in unit tests).
+    gauge: Option<prometheus::IntGauge>,
+    /// Held while the gauge is counted and set (see [`Self::update_gauge`]).
+    gauge_lock: std::sync::Mutex<()>,
 }
 
 impl JobStreamRegistry {
+    /// The registry of broker `node`, which keeps that broker's
+    /// `courier_broker_registered_streams` current.
+    pub fn for_node(node: u64) -> JobStreamRegistry {
+        JobStreamRegistry {
+            gauge: Some(metrics::STREAMS.with_label_values(&[&node.to_string()])),
+            ..JobStreamRegistry::default()
+        }
+    }
+
     /// A new link; its messages toward the gateway come out of the returned receiver.
     pub fn add_link(&self) -> (Arc<Link>, mpsc::Receiver<BrokerMessage>) {
         let (tx, rx) = mpsc::channel(LINK_QUEUE);
@@ -576,13 +589,21 @@ impl JobStreamRegistry {
             .collect()
     }
 
+    /// Counts the registered streams into the gauge. Counting and setting happen
+    /// under one lock: two gateways registering at once each counted, and the one
+    /// that counted first could set its smaller count last (a test saw 5 of 6).
     fn update_gauge(&self) {
+        let Some(gauge) = &self.gauge else { return };
+        let _counting = self
+            .gauge_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let n: usize = self
             .streams
             .iter()
             .map(|e| e.value().iter().map(|l| l.recipients.len()).sum::<usize>())
             .sum();
-        metrics::STREAMS.set(n as i64);
+        gauge.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 }
 
@@ -599,6 +620,47 @@ mod tests {
             fetch_variables: vec![],
             tenant_ids: vec![DEFAULT_TENANT.into()],
         }
+    }
+
+    /// Streams registered from several threads at once leave the gauge at the
+    /// number registered, whichever thread counted last: rounds in which every
+    /// thread registers one at the same moment, the gauge checked after each.
+    #[test]
+    fn the_streams_gauge_counts_registrations_made_at_once() {
+        const THREADS: u64 = 4;
+        const ROUNDS: u64 = 300;
+        let reg = Arc::new(JobStreamRegistry::for_node(90_001));
+        // Many job types, so that counting them takes a while.
+        for i in 0..2000 {
+            reg.register(99, i, props(&format!("filler-{i}"), "w"));
+        }
+        let barrier = Arc::new(std::sync::Barrier::new(THREADS as usize + 1));
+        let threads: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (reg, barrier) = (reg.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    for i in 0..ROUNDS {
+                        barrier.wait();
+                        reg.register(t + 1, i, props("a", "w"));
+                        barrier.wait();
+                    }
+                })
+            })
+            .collect();
+        let gauge = metrics::STREAMS.with_label_values(&["90001"]);
+        let mut wrong = Vec::new();
+        for round in 0..ROUNDS {
+            barrier.wait();
+            barrier.wait();
+            let expected = 2000 + THREADS * (round + 1);
+            if gauge.get() != expected as i64 {
+                wrong.push((round, gauge.get(), expected));
+            }
+        }
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert!(wrong.is_empty(), "(round, gauge, registered): {wrong:?}");
     }
 
     /// Job 1 of type "a", activated.
