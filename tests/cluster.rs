@@ -1542,6 +1542,48 @@ async fn survivors_whose_election_timers_keep_in_step_elect_a_leader() {
     assert_eq!(got, keys);
 }
 
+/// A broker that takes seconds to load its partitions (here 450,000 open jobs)
+/// counts its replicas' silence from when it is up, not from when each was opened:
+/// back after a restart, it takes no partition from a leader that is alive. Before,
+/// the replicas it opened first stood for election as soon as it was up, and a
+/// restart moved the leadership of partitions whose leaders were fine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_slow_to_load_its_partitions_takes_no_leadership_when_back() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts {
+        rebalance_after: Some("off"),
+        ..ClusterOpts::default()
+    })
+    .await;
+    let c = cluster.client();
+    // Each create request lands on one partition, in turn.
+    let keys = common::create_in_batches(&c, "backlog", 90, 5000).await;
+    assert_eq!(keys.len(), 450_000);
+    cluster.kill_broker(3);
+    wait_until(
+        Duration::from_secs(10),
+        "partition 3 is led by a broker that is up",
+        || async { cluster.leaders().await.get(&3).is_some_and(|&l| l != 3) },
+    )
+    .await;
+    let before = cluster.leaders().await;
+    cluster.start_broker(3);
+    wait_until(Duration::from_secs(60), "broker 3 is up again", || async {
+        cluster.broker_topology(3).await.is_some()
+    })
+    .await;
+    // Past the lease and the longest election timeout of a replica that stood at once.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(cluster.leaders().await, before);
+    let log = cluster.broker_log(3);
+    let restarted = log.rsplit("starting the broker").next().unwrap_or_default();
+    assert!(restarted.contains("jobs=150000"), "{restarted}");
+    assert!(
+        !restarted.contains("leading: telling the gateways"),
+        "{restarted}"
+    );
+}
+
 /// A create sent to a leader that then stops answering (here frozen) may have been
 /// applied there, so the gateway cannot move it to another partition: it waits out
 /// the failover and sends it to the partition's next leader, instead of giving up

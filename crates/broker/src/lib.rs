@@ -278,6 +278,12 @@ async fn drive_elections(
     let mut tick = tokio::time::interval(ELECTION_TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last = std::time::Instant::now();
+    // Silence is counted from now, not from when each replica was opened: loading
+    // a partition with millions of open jobs takes seconds, and the replicas opened
+    // first would otherwise stand at once, against leaders that are alive.
+    for p in &parts {
+        p.heard_from_leader_at(last);
+    }
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,

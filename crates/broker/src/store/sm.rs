@@ -164,11 +164,19 @@ impl StateMachine {
             Some(v) => codec::decode(&v).map_err(read_err)?,
             None => Counters::default(),
         };
+        let started = std::time::Instant::now();
         let mut loaded = Vec::new();
         for g in jobs.iter() {
             let (_, v) = g.into_inner().map_err(read_err)?;
             loaded.push(codec::decode::<Job>(&v).map_err(read_err)?);
         }
+        // Seconds with millions of open jobs: say what the broker was doing.
+        tracing::info!(
+            partition = partition.0,
+            jobs = loaded.len(),
+            took = ?started.elapsed(),
+            "partition state loaded"
+        );
         std::fs::create_dir_all(&snapshot_dir).map_err(read_err)?;
         let snapshot_path = snapshot_dir.join(format!("p{}.snapshot", partition.0));
         let snapshot = load_snapshot(&snapshot_path)?;
