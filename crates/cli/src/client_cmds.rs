@@ -41,7 +41,7 @@ impl ClientOpts {
     }
 }
 
-/// The job commands. Durations read as 500ms, 10s, 5m, 1h or a number of ms.
+/// The job commands. Durations read as 500ms, 10s, 1.5s, 5m, 1h or a number of ms.
 #[derive(clap::Subcommand, Debug, PartialEq)]
 pub enum JobCmd {
     /// Create a job (or --count jobs) and print its key.
@@ -413,24 +413,44 @@ fn done(json: bool, value: Value, text: impl FnOnce() -> String) {
     }
 }
 
-/// A duration: `500ms`, `10s`, `5m`, `1h`, or a bare number of milliseconds.
+/// A duration: `500ms`, `10s`, `1.5s`, `5m`, `1h`, or a bare number of
+/// milliseconds; a whole number of milliseconds in the end.
 pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let invalid =
-        || format!("invalid duration {s:?}: expected e.g. 500ms, 10s, 5m, 1h or a number of ms");
-    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (number, unit) = s.split_at(digits);
-    let n: u64 = number.parse().map_err(|_| invalid())?;
-    let ms_per_unit = match unit {
+    let invalid = || {
+        format!("invalid duration {s:?}: expected e.g. 500ms, 10s, 1.5s, 5m, 1h or a number of ms")
+    };
+    let end = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
+    let (number, unit) = s.split_at(end);
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if whole.is_empty() || !fraction.chars().all(|c| c.is_ascii_digit()) {
+        return Err(invalid());
+    }
+    let ms_per_unit: u128 = match unit {
         "" | "ms" => 1,
         "s" => 1_000,
         "m" => 60_000,
         "h" => 3_600_000,
         _ => return Err(invalid()),
     };
-    n.checked_mul(ms_per_unit)
+    // Exact: (whole.fraction) x unit, in ms, as a ratio of integers.
+    let scale = 10u128
+        .checked_pow(u32::try_from(fraction.len()).map_err(|_| invalid())?)
+        .ok_or_else(invalid)?;
+    let digits: u128 = format!("{whole}{fraction}")
+        .parse()
+        .map_err(|_| invalid())?;
+    let scaled = digits.checked_mul(ms_per_unit).ok_or_else(invalid)?;
+    if scaled % scale != 0 {
+        return Err(format!(
+            "invalid duration {s:?}: durations are whole milliseconds"
+        ));
+    }
+    u64::try_from(scaled / scale)
         .map(Duration::from_millis)
-        .ok_or_else(invalid)
+        .map_err(|_| invalid())
 }
 
 /// A JSON object given on the command line; checked here so a typo fails before any
@@ -713,10 +733,20 @@ mod tests {
         assert_eq!(ms("1h"), Ok(3_600_000));
         assert_eq!(ms("250"), Ok(250));
         assert_eq!(ms("0"), Ok(0));
+        assert_eq!(ms("1.5s"), Ok(1_500));
+        assert_eq!(ms("0.25s"), Ok(250));
+        assert_eq!(ms("1.5m"), Ok(90_000));
+        assert_eq!(ms("2.0ms"), Ok(2));
+        let e = parse_duration("1.5ms").unwrap_err();
+        assert!(e.contains("whole milliseconds"), "{e}");
         for bad in [
             "",
             "s",
-            "1.5s",
+            ".5s",
+            "1.s5",
+            "1..5s",
+            "1.2.3s",
+            "0.0001s",
             "-1",
             "10 s",
             "3d",

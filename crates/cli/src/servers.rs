@@ -466,11 +466,12 @@ fn raft_tuning(a: &BrokerArgs) -> anyhow::Result<RaftTuning> {
 
 pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
     init_tracing(SERVER_LOG);
-    tracing::info!(worker_threads = runtime_workers(), "starting the broker");
-    let shutdown = shutdown_on_signal();
+    // Bad arguments fail before the broker says it starts.
     let mut brokers = parse_peers(&a.peers)?;
     check_member(a.node_id, &brokers)?;
     let raft = raft_tuning(&a)?;
+    tracing::info!(worker_threads = runtime_workers(), "starting the broker");
+    let shutdown = shutdown_on_signal();
     brokers.entry(a.node_id).or_insert_with(|| a.addr.clone());
     let listener = bind(&a.addr).await?;
     if let Some(m) = &a.metrics_addr {
