@@ -178,9 +178,9 @@ pub struct Partition {
     /// their activation: key -> (link, lease), so that end can free the credit on
     /// the gateway holding the job. Leader-local.
     pushed: dashmap::DashMap<JobKey, (u64, u64)>,
+    /// Entries in `pushed`: raised and lowered with each insert and removal, so
+    /// changes at once never leave it at a stale count.
     pushed_gauge: prometheus::IntGauge,
-    /// Held while `pushed` is counted into its gauge (see [`Partition::pushed_changed`]).
-    pushed_counting: Mutex<()>,
     /// Yields waiting for the next paced batch: (key, lease, deadline).
     yields: Mutex<Vec<(JobKey, u64, i64)>>,
     yield_wake: Notify,
@@ -203,7 +203,7 @@ pub struct Partition {
     leading_since: Mutex<Option<tokio::time::Instant>>,
     /// Set once this broker was asked to stop: it takes no partition over then.
     stopping: AtomicBool,
-    /// When this replica last heard from a leader or a candidate (see
+    /// When this replica last heard from a leader or granted a vote (see
     /// `drive_elections` in the crate root).
     /// In µs since `started`; an atomic, since every append-entries sets it.
     leader_heard_us: AtomicU64,
@@ -256,7 +256,6 @@ impl Partition {
             pushed: dashmap::DashMap::new(),
             pushed_gauge: metrics::PUSHED_HELD
                 .with_label_values(&[&node_id.to_string(), &id.to_string()]),
-            pushed_counting: Mutex::new(()),
             yields: Mutex::new(Vec::new()),
             yield_wake: Notify::new(),
             claims: Mutex::new(Claims::default()),
@@ -281,8 +280,9 @@ impl Partition {
         p
     }
 
-    /// A leader's append-entries or a candidate's vote request reached this
-    /// replica at `at`: no election before an election timeout from then.
+    /// A leader's append-entries reached this replica at `at`, or it granted a vote
+    /// then (or stood itself, or its broker started): no election before an
+    /// election timeout from then.
     pub fn heard_from_leader_at(&self, at: std::time::Instant) {
         let us = at.saturating_duration_since(self.started).as_micros();
         self.leader_heard_us
@@ -1160,8 +1160,9 @@ fn carry_out(
             Effect::Finished { key, lease } => {
                 // Tell the gateway holding it, whichever gateway finished it. An
                 // entry of an older activation goes too: the job has moved on.
-                let held = p.pushed.remove(&key).filter(|(_, (_, l))| *l == lease);
-                p.pushed_changed();
+                let held = p
+                    .unhold(p.pushed.remove(&key))
+                    .filter(|(_, (_, l))| *l == lease);
                 if let Some((_, (link, _))) = held {
                     let Some(link) = p.registry.link(link) else {
                         continue;
@@ -1195,8 +1196,12 @@ fn start_push(p: &Arc<Partition>, push: Push, created: Option<Instant>) {
     } = push;
     // Recorded before the push leaves: the job may finish before its ack arrives,
     // and the end of its activation must find (and remove) the entry.
-    p.pushed.insert(job.key, (target.recipient.link, lease));
-    p.pushed_changed();
+    if p.pushed
+        .insert(job.key, (target.recipient.link, lease))
+        .is_none()
+    {
+        p.pushed_gauge.inc();
+    }
     let sent = send_to(p, &target.recipient, true, lease, job.clone(), created);
     tokio::spawn(finish_push(p.clone(), target, lease, job, sent));
 }
@@ -1283,21 +1288,17 @@ async fn finish_push(
         }
         attempt = send_to(&p, &next, false, lease, job.clone(), None);
     }
-    p.pushed.remove_if(&key, |_, (_, l)| *l == lease);
-    p.pushed_changed();
+    p.unhold(p.pushed.remove_if(&key, |_, (_, l)| *l == lease));
     p.queue_yield(key, lease, deadline);
 }
 
 impl Partition {
-    /// Counts `pushed` into its gauge, under a lock: of two changes at once, the
-    /// one counted first could otherwise be set last, and the gauge stay wrong.
-    fn pushed_changed(&self) {
-        let _counting = self
-            .pushed_counting
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        self.pushed_gauge
-            .set(i64::try_from(self.pushed.len()).unwrap_or(i64::MAX));
+    /// Counts an entry removed from `pushed` out of its gauge; passes it on.
+    fn unhold<T>(&self, removed: Option<T>) -> Option<T> {
+        if removed.is_some() {
+            self.pushed_gauge.dec();
+        }
+        removed
     }
 
     /// Queues a yield for the next paced batch.
@@ -1700,8 +1701,10 @@ async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
         let Some(term) = p.leading_term() else {
             if led.take().is_some() {
                 // Ends of activations are carried out by the next leader now.
-                p.pushed.clear();
-                p.pushed_changed();
+                let keys: Vec<JobKey> = p.pushed.iter().map(|e| *e.key()).collect();
+                for key in keys {
+                    p.unhold(p.pushed.remove(&key));
+                }
             }
             tokio::select! {
                 _ = shutdown.cancelled() => return,

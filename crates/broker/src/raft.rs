@@ -327,9 +327,12 @@ impl LongerLog {
         self.0.load(Ordering::Relaxed)
     }
 
-    /// Forgets it: this replica stands again, or a leader's entries reached it.
+    /// Forgets it: this replica stands again, or a leader's entries reached it
+    /// (every append-entries, so a read first: no write while there is nothing).
     pub fn clear(&self) {
-        self.0.store(false, Ordering::Relaxed);
+        if self.seen() {
+            self.0.store(false, Ordering::Relaxed);
+        }
     }
 }
 

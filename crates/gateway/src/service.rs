@@ -1026,6 +1026,9 @@ fn create_batch(jobs: &[v1::CreateJobRequest]) -> Result<Vec<NewJob>, GatewayErr
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    use crate::topology::{Leader, PartitionReport};
 
     /// A create whose attempt may have reached a leader and then went unanswered is
     /// reported as of unknown outcome (DEADLINE_EXCEEDED, which clients do not
@@ -1045,10 +1048,6 @@ mod tests {
             maybe_created(BrokerError::InvalidArgument("bad variables".into())).into();
         assert_eq!(refused.code(), tonic::Code::InvalidArgument);
     }
-
-    use super::*;
-
-    use crate::topology::{Leader, PartitionReport};
 
     #[test]
     fn the_size_bound_of_a_job_is_never_below_its_encoded_size() {
