@@ -1584,6 +1584,71 @@ async fn a_broker_slow_to_load_its_partitions_takes_no_leadership_when_back() {
     );
 }
 
+/// A create whose leader dies after its followers received the entry, but before
+/// the gateway has the answer: the gateway sends it again to the next leader, which
+/// commits the first attempt's entry and answers the resend with that job. One job
+/// is created, not two. The followers are frozen while the leader takes the create,
+/// so what it sends them waits in their sockets; with election timeouts longer than
+/// the freeze, they read it before they stand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_sent_again_after_its_leader_died_creates_one_job() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts {
+        partitions: 1,
+        election_timeout: Some(("2s", "2500ms")),
+        ..ClusterOpts::default()
+    })
+    .await;
+    let c = cluster.client();
+    wait_leaders_answer_empty_polls(&cluster, &c, "once", 1.0).await;
+    let leader = cluster.leaders().await[&1];
+    let leader_metrics = cluster.broker_metrics[&leader].clone();
+    let log_index = || metric(&leader_metrics, "courier_broker_partition_log_index");
+    let before = log_index().await;
+    let followers: Vec<u64> = (1..=3).filter(|b| *b != leader).collect();
+    for f in &followers {
+        cluster.freeze_broker(*f, true);
+    }
+    let create = tokio::spawn({
+        let c = c.clone();
+        async move { c.create_job(NewJob::new("once")).await }
+    });
+    wait_until(
+        Duration::from_secs(5),
+        "the leader appends the create",
+        || async { log_index().await > before },
+    )
+    .await;
+    // A few heartbeats' time for the entry to be sent to the followers.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    cluster.kill_broker(leader);
+    for f in &followers {
+        cluster.freeze_broker(*f, false);
+    }
+    let job = tokio::time::timeout(Duration::from_secs(30), create)
+        .await
+        .expect("the create is answered")
+        .unwrap()
+        .expect("the create succeeds on the next leader");
+    let jobs = c
+        .activate_jobs(poll("once", 10).request_timeout(Duration::from_secs(1)))
+        .await
+        .expect("activate");
+    let keys: Vec<i64> = jobs.iter().map(|j| j.key).collect();
+    assert_eq!(
+        keys,
+        vec![job.key],
+        "one job, the one the create answered with"
+    );
+    assert_eq!(
+        cluster
+            .broker_metric("courier_broker_creates_repeated_total")
+            .await,
+        1.0,
+        "the resend was answered with the first attempt's job"
+    );
+}
+
 /// A create sent to a leader that then stops answering (here frozen) may have been
 /// applied there, so the gateway cannot move it to another partition: it waits out
 /// the failover and sends it to the partition's next leader, instead of giving up

@@ -105,7 +105,7 @@ fn approx_bytes(cmd: &LogCommand) -> usize {
     use courier_proto::domain::Command;
     match cmd {
         LogCommand::Client {
-            cmd: Command::Create(jobs),
+            cmd: Command::Create(jobs) | Command::CreateOnce { jobs, .. },
             ..
         } => jobs
             .iter()
@@ -712,7 +712,7 @@ impl Partition {
     /// on the leader, and written into the command so every replica activates alike.
     fn push_targets(&self, cmd: &Command) -> Vec<PushTarget> {
         match cmd {
-            Command::Create(jobs) => {
+            Command::Create(jobs) | Command::CreateOnce { jobs, .. } => {
                 let mut wanted: BTreeMap<(&str, &str), u32> = BTreeMap::new();
                 for j in jobs {
                     *wanted.entry((&j.job_type, &j.tenant_id)).or_default() += 1;
@@ -1077,6 +1077,13 @@ async fn write(p: Arc<Partition>, batch: Vec<Proposal>, on_flushed: FlushSignal,
     metrics::COMMIT_SECONDS.observe(started.elapsed().as_secs_f64());
     match result {
         Ok(resp) => {
+            if resp.data.repeated > 0 {
+                metrics::CREATES_REPEATED.inc_by(u64::from(resp.data.repeated));
+                tracing::info!(
+                    creates = resp.data.repeated,
+                    "creates sent again answered with the jobs of their first attempt"
+                );
+            }
             for e in &resp.data.effects {
                 if let Effect::Push(push) = e {
                     if let Some(n) = held.get_mut(&push.target.recipient) {

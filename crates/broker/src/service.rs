@@ -227,7 +227,7 @@ fn request_kind(r: &Request) -> &'static str {
     match r {
         Request::GetJob { .. } => "get_job",
         Request::Command(c) => match c {
-            C::Create(_) => "create",
+            C::Create(_) | C::CreateOnce { .. } => "create",
             C::Activate { .. } => "activate",
             C::Complete { .. } => "complete",
             C::Fail { .. } => "fail",

@@ -11,13 +11,14 @@ use crate::topology::{ClusterView, Topology};
 use courier_proto::convert;
 use courier_proto::courier_v1::{self as v1, jobs_server::Jobs};
 use courier_proto::domain::{
-    ActivationProps, BrokerError, Command, JobKey, NewJob, PartitionId, Reply, Request,
+    ActivationProps, BrokerError, Command, JobKey, NewJob, PartitionId, Reply, Request, RequestId,
+    CREATE_RESEND_MS,
 };
 use courier_proto::gateway_protocol::{self as gw, gateway_server::Gateway};
 use futures::{Stream, StreamExt};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -104,6 +105,44 @@ impl RoundRobin {
     }
 }
 
+/// Draws the ids that make a create happen once however often it is sent
+/// ([`Command::CreateOnce`]): a random prefix per gateway process, then a counter.
+#[derive(Debug)]
+pub struct RequestIds {
+    prefix: u64,
+    next: AtomicU64,
+}
+
+impl RequestIds {
+    pub fn new() -> RequestIds {
+        use std::hash::{BuildHasher, Hasher};
+        // The standard library keys each `RandomState` with random bits from the
+        // OS; the time and the process id are hashed in for good measure.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        h.write_u128(now);
+        h.write_u32(std::process::id());
+        RequestIds {
+            prefix: h.finish(),
+            next: AtomicU64::new(0),
+        }
+    }
+
+    /// An id no other call of any gateway draws.
+    pub fn next(&self) -> RequestId {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        RequestId(u128::from(self.prefix) << 64 | u128::from(n))
+    }
+}
+
+impl Default for RequestIds {
+    fn default() -> Self {
+        RequestIds::new()
+    }
+}
+
 /// What both services share.
 pub struct Shared {
     topology: Arc<Topology>,
@@ -117,6 +156,7 @@ pub struct Shared {
     push_enabled: bool,
     activate_start: RoundRobin,
     create_start: RoundRobin,
+    create_ids: RequestIds,
     shutdown: CancellationToken,
 }
 
@@ -143,6 +183,7 @@ impl Shared {
             push_enabled,
             activate_start: RoundRobin::default(),
             create_start: RoundRobin::default(),
+            create_ids: RequestIds::new(),
             shutdown,
         })
     }
@@ -361,12 +402,17 @@ impl Shared {
 
     /// Creates `jobs` in one command on one partition, chosen round-robin. A partition
     /// without a reachable leader is passed over only while the command certainly was
-    /// not applied there, so a job is never created twice.
+    /// not applied there. One sent again to a partition where it may have been
+    /// applied (its answer lost in a failover) carries the same request id, and the
+    /// partition answers with the jobs of the first time ([`Command::CreateOnce`]):
+    /// a job is never created twice. It is sent again for at most
+    /// [`CREATE_RESEND_MS`], within which partitions remember the id.
     async fn create(
         &self,
         jobs: Vec<NewJob>,
         deadline: Instant,
     ) -> Result<(Vec<JobKey>, PartitionId), GatewayError> {
+        let deadline = deadline.min(instant_after(Duration::from_millis(CREATE_RESEND_MS)));
         let count = self.topology.wait_for_partitions(deadline).await;
         if count == 0 {
             return Err(BrokerError::Unavailable(
@@ -374,7 +420,10 @@ impl Shared {
             )
             .into());
         }
-        let request = Request::Command(Command::Create(jobs));
+        let request = Request::Command(Command::CreateOnce {
+            request: self.create_ids.next(),
+            jobs,
+        });
         // Round-robin over the partitions that can commit now, then the others.
         let order = self.topology.healthy_first(self.create_start.order(count));
         let mut last = None;
@@ -1047,6 +1096,17 @@ mod tests {
         let refused: tonic::Status =
             maybe_created(BrokerError::InvalidArgument("bad variables".into())).into();
         assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    }
+
+    /// Create ids differ between calls and between gateways (and a gateway's
+    /// restart), so no two creates are taken for one.
+    #[test]
+    fn create_ids_are_never_drawn_twice() {
+        let (a, b) = (RequestIds::new(), RequestIds::new());
+        let ids: std::collections::BTreeSet<RequestId> =
+            (0..1000).flat_map(|_| [a.next(), b.next()]).collect();
+        assert_eq!(ids.len(), 2000);
+        assert_ne!(a.prefix, b.prefix);
     }
 
     #[test]

@@ -23,3 +23,8 @@ pub fn to_vec<T: Serialize>(value: &T) -> Result<Vec<u8>, CodecError> {
 pub fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, CodecError> {
     Ok(postcard::from_bytes(payload)?)
 }
+
+/// Decodes a value from the start of `payload`, and returns what follows it.
+pub fn decode_prefix<T: DeserializeOwned>(payload: &[u8]) -> Result<(T, &[u8]), CodecError> {
+    Ok(postcard::take_from_bytes(payload)?)
+}

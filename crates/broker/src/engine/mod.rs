@@ -8,7 +8,8 @@
 
 use courier_proto::domain::{
     job_text_bytes, job_too_large, ActivatedJob, ActivationProps, BrokerError, Command, JobKey,
-    JobStateKind, JobView, NewJob, PartitionId, ProcessContext, Reply, MAX_JOB_BYTES,
+    JobStateKind, JobView, NewJob, PartitionId, ProcessContext, Reply, RequestId,
+    CREATE_ONCE_WINDOW_MS, MAX_JOB_BYTES,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -261,8 +262,48 @@ pub struct Counters {
     pub last_lease: u64,
 }
 
-/// The jobs a command touched: the storage layer writes or deletes exactly these.
-pub type Changes = BTreeSet<JobKey>;
+/// What applying touched: the storage layer writes or deletes exactly these jobs
+/// and create records.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub jobs: BTreeSet<JobKey>,
+    /// Request ids of [`Command::CreateOnce`] recorded or forgotten.
+    pub requests: BTreeSet<RequestId>,
+}
+
+impl Changes {
+    pub fn new() -> Changes {
+        Changes::default()
+    }
+
+    /// How many jobs and create records changed.
+    pub fn len(&self) -> usize {
+        self.jobs.len() + self.requests.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.jobs.is_empty() && self.requests.is_empty()
+    }
+}
+
+/// What a partition remembers of an applied [`Command::CreateOnce`]: when, and the
+/// keys it made (consecutive: one command's jobs take the next counters in turn).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateRecord {
+    /// The entry's timestamp (epoch ms).
+    pub ts: i64,
+    /// The job counter of its first key.
+    pub first: u64,
+    pub count: u32,
+}
+
+impl CreateRecord {
+    fn keys(&self, partition: PartitionId) -> Vec<JobKey> {
+        (0..u64::from(self.count))
+            .map(|i| JobKey::new(partition, self.first + i))
+            .collect()
+    }
+}
 
 /// A partition's state: the jobs and the indexes derived from them.
 #[derive(Clone, Debug)]
@@ -276,19 +317,25 @@ pub struct State {
     deadlines: BTreeSet<(i64, JobKey)>,
     /// (retry_at, key) of jobs in back-off.
     backoffs: BTreeSet<(i64, JobKey)>,
+    /// Creates applied within [`CREATE_ONCE_WINDOW_MS`], by request id.
+    creates: BTreeMap<RequestId, CreateRecord>,
+    /// (ts, id) of `creates`, oldest first: what to forget next.
+    create_times: BTreeSet<(i64, RequestId)>,
 }
 
 impl State {
     /// An empty partition.
     pub fn new(partition: PartitionId) -> Self {
-        Self::from_parts(partition, Counters::default(), Vec::new())
+        Self::from_parts(partition, Counters::default(), Vec::new(), Vec::new())
     }
 
-    /// Rebuilds the state (and its indexes) from stored jobs and counters.
+    /// Rebuilds the state (and its indexes) from stored jobs, counters and create
+    /// records.
     pub fn from_parts(
         partition: PartitionId,
         counters: Counters,
         jobs: impl IntoIterator<Item = Job>,
+        creates: impl IntoIterator<Item = (RequestId, CreateRecord)>,
     ) -> Self {
         let mut s = State {
             partition,
@@ -297,10 +344,16 @@ impl State {
             queues: BTreeMap::new(),
             deadlines: BTreeSet::new(),
             backoffs: BTreeSet::new(),
+            creates: BTreeMap::new(),
+            create_times: BTreeSet::new(),
         };
         for job in jobs {
             s.index(&job);
             s.jobs.insert(job.key, job);
+        }
+        for (id, record) in creates {
+            s.create_times.insert((record.ts, id));
+            s.creates.insert(id, record);
         }
         s
     }
@@ -323,6 +376,16 @@ impl State {
 
     pub fn job_count(&self) -> usize {
         self.jobs.len()
+    }
+
+    /// The record of the create with request id `id`, while it is remembered.
+    pub fn create_record(&self, id: RequestId) -> Option<&CreateRecord> {
+        self.creates.get(&id)
+    }
+
+    /// The remembered creates, by request id.
+    pub fn creates(&self) -> impl Iterator<Item = (RequestId, CreateRecord)> + '_ {
+        self.creates.iter().map(|(id, r)| (*id, *r))
     }
 
     /// The earliest activation deadline, if any job is activated.
@@ -440,11 +503,22 @@ impl State {
     /// Applies one log entry of `term`: one reply per command, in order, and the
     /// entry's effects (de-duplicated, in order of first occurrence).
     pub fn apply_batch(&mut self, term: u64, batch: &Batch, changes: &mut Changes) -> Applied {
+        self.forget_creates(batch.ts.saturating_sub(CREATE_ONCE_WINDOW_MS), changes);
         let mut effects = Vec::new();
+        let mut repeated = 0;
         let replies = batch
             .commands
             .iter()
-            .map(|c| self.apply(batch.ts, term, c, &mut effects, changes))
+            .map(|c| {
+                if let LogCommand::Client {
+                    cmd: Command::CreateOnce { request, .. },
+                    ..
+                } = c
+                {
+                    repeated += u32::from(self.creates.contains_key(request));
+                }
+                self.apply(batch.ts, term, c, &mut effects, changes)
+            })
             .collect();
         let mut seen = BTreeSet::new();
         effects.retain(|e| match e {
@@ -454,7 +528,11 @@ impl State {
             } => seen.insert((job_type.clone(), tenant_id.clone())),
             Effect::Push(_) | Effect::Finished { .. } => true,
         });
-        Applied { replies, effects }
+        Applied {
+            replies,
+            effects,
+            repeated,
+        }
     }
 
     /// Applies one command at time `ts`, of an entry of `term`.
@@ -547,6 +625,26 @@ impl State {
                     .map(|j| self.create(ts, j, budget, effects, changes))
                     .collect(),
             )),
+            Command::CreateOnce { request, jobs } => {
+                if let Some(done) = self.creates.get(request) {
+                    // An earlier attempt of this request was applied: its keys,
+                    // whatever became of the jobs since.
+                    return Ok(Reply::Created(done.keys(self.partition)));
+                }
+                let record = CreateRecord {
+                    ts,
+                    first: self.counters.last_key + 1,
+                    count: u32::try_from(jobs.len()).unwrap_or(u32::MAX),
+                };
+                let keys = jobs
+                    .iter()
+                    .map(|j| self.create(ts, j, budget, effects, changes))
+                    .collect();
+                self.creates.insert(*request, record);
+                self.create_times.insert((ts, *request));
+                changes.requests.insert(*request);
+                Ok(Reply::Created(keys))
+            }
             Command::Activate { props, max_jobs } => Ok(Reply::Activated(
                 self.activate(ts, props, *max_jobs, polled_via, changes),
             )),
@@ -575,7 +673,7 @@ impl State {
                 if let Some(merged) = merged {
                     job.variables = merged;
                 }
-                changes.insert(*key);
+                changes.jobs.insert(*key);
                 if *retries <= 0 {
                     job.status = JobStatus::Incident;
                 } else if *retry_backoff_ms > 0 {
@@ -608,7 +706,7 @@ impl State {
                     job.variables = merged;
                 }
                 job.status = JobStatus::ErrorThrown;
-                changes.insert(*key);
+                changes.jobs.insert(*key);
                 Ok(Reply::Done)
             }
             Command::UpdateRetries { key, retries } => {
@@ -623,7 +721,7 @@ impl State {
                 }
                 job.retries = *retries;
                 let incident = job.status == JobStatus::Incident;
-                changes.insert(*key);
+                changes.jobs.insert(*key);
                 if incident {
                     self.runnable(ts, *key, budget, false, effects, changes);
                 }
@@ -637,7 +735,7 @@ impl State {
                     *deadline = ts.saturating_add(*timeout_ms);
                 }
                 self.reindex(*key);
-                changes.insert(*key);
+                changes.jobs.insert(*key);
                 Ok(Reply::Done)
             }
             Command::Cancel { key } => {
@@ -679,6 +777,20 @@ impl State {
         );
         self.runnable(ts, key, budget, true, effects, changes);
         key
+    }
+
+    /// Forgets the creates applied before `cutoff` (epoch ms of the entry being
+    /// applied, less the window): the same on every replica, as it goes by entries'
+    /// timestamps only.
+    fn forget_creates(&mut self, cutoff: i64, changes: &mut Changes) {
+        while let Some(&(ts, id)) = self.create_times.first() {
+            if ts >= cutoff {
+                break;
+            }
+            self.create_times.pop_first();
+            self.creates.remove(&id);
+            changes.requests.insert(id);
+        }
     }
 
     /// Activates up to `max` of the oldest activatable jobs matching `props`.
@@ -735,7 +847,7 @@ impl State {
             process: job.process.clone(),
         };
         self.reindex(key);
-        changes.insert(key);
+        changes.jobs.insert(key);
         Some(activated)
     }
 
@@ -788,7 +900,7 @@ impl State {
         };
         job.status = JobStatus::Activatable { seq };
         self.reindex(key);
-        changes.insert(key);
+        changes.jobs.insert(key);
     }
 
     /// Announces the end of the job's activation, if it is activated.
@@ -846,7 +958,7 @@ impl State {
     fn remove(&mut self, key: JobKey, changes: &mut Changes) {
         self.unindex(key);
         self.jobs.remove(&key);
-        changes.insert(key);
+        changes.jobs.insert(key);
     }
 
     fn expect_activated(&self, key: JobKey, action: &str) -> Result<(), BrokerError> {
@@ -944,6 +1056,8 @@ impl Budget {
 pub struct Applied {
     pub replies: Vec<Result<Reply, BrokerError>>,
     pub effects: Vec<Effect>,
+    /// Creates answered with the jobs an earlier attempt made.
+    pub repeated: u32,
 }
 
 fn not_found(key: JobKey, action: &str) -> BrokerError {

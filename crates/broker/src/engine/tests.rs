@@ -98,7 +98,10 @@ fn activate(s: &mut State, ts: i64, t: &str, max: u32) -> Vec<ActivatedJob> {
 }
 
 fn keys(ks: &[JobKey]) -> Changes {
-    ks.iter().copied().collect()
+    Changes {
+        jobs: ks.iter().copied().collect(),
+        requests: Default::default(),
+    }
 }
 
 fn status(s: &State, k: JobKey) -> JobStatus {
@@ -123,6 +126,136 @@ fn create_assigns_partition_keys_and_announces_the_type() {
     assert_eq!(status(&s, k1), JobStatus::Activatable { seq: 1 });
     assert_eq!(s.job(k1).map(|j| j.created_at), Some(T0));
     assert_eq!(s.counters().last_key, 3);
+}
+
+fn create_once(id: u128, jobs: usize) -> Command {
+    Command::CreateOnce {
+        request: RequestId(id),
+        jobs: vec![new_job("a"); jobs],
+    }
+}
+
+fn requests(ids: &[u128]) -> BTreeSet<RequestId> {
+    ids.iter().map(|i| RequestId(*i)).collect()
+}
+
+#[test]
+fn a_create_sent_again_with_its_request_id_answers_the_first_keys_and_changes_nothing() {
+    let mut s = State::new(P);
+    let (reply, effects, changes) = run(&mut s, T0, create_once(7, 2));
+    let (k1, k2) = (JobKey::new(P, 1), JobKey::new(P, 2));
+    assert_eq!(reply, Ok(Reply::Created(vec![k1, k2])));
+    assert_eq!(effects, vec![available("a")]);
+    assert_eq!(changes.jobs, keys(&[k1, k2]).jobs);
+    assert_eq!(changes.requests, requests(&[7]));
+    assert_eq!(
+        s.create_record(RequestId(7)),
+        Some(&CreateRecord {
+            ts: T0,
+            first: 1,
+            count: 2
+        })
+    );
+
+    // Sent again after one of its jobs is gone, with a stream to push to:
+    // nothing is created, activated, pushed or stored.
+    let (reply, _, _) = run(&mut s, T0 + 1, Command::Cancel { key: k1 });
+    assert_eq!(reply, Ok(Reply::Done));
+    let again = LogCommand::Client {
+        cmd: create_once(7, 2),
+        push: vec![target("a", 5)],
+        via: None,
+    };
+    let (reply, effects, changes) = run_log(&mut s, T0 + 2_000, again);
+    assert_eq!(reply, Ok(Reply::Created(vec![k1, k2])), "the same keys");
+    assert!(effects.is_empty(), "{effects:?}");
+    assert!(changes.is_empty(), "{changes:?}");
+    assert_eq!(s.job_count(), 1, "no job made again");
+    assert_eq!(s.counters().last_key, 2);
+    assert_eq!(status(&s, k2), JobStatus::Activatable { seq: 2 });
+
+    // Another request id creates; the entry counts the one sent again.
+    let mut changes = Changes::new();
+    let applied = s.apply_batch(
+        TERM,
+        &Batch {
+            ts: T0 + 3_000,
+            commands: vec![
+                LogCommand::client(create_once(8, 1)),
+                LogCommand::client(create_once(7, 2)),
+            ],
+            on_flushed: Default::default(),
+        },
+        &mut changes,
+    );
+    assert_eq!(
+        applied.replies,
+        vec![
+            Ok(Reply::Created(vec![JobKey::new(P, 3)])),
+            Ok(Reply::Created(vec![k1, k2]))
+        ]
+    );
+    assert_eq!(applied.repeated, 1);
+    assert_eq!(changes.requests, requests(&[8]));
+}
+
+#[test]
+fn creates_are_remembered_for_the_window_then_forgotten_by_entry_time() {
+    let mut s = State::new(P);
+    assert!(run(&mut s, T0, create_once(1, 1)).0.is_ok());
+    assert!(run(&mut s, T0 + 10, create_once(2, 1)).0.is_ok());
+    // The last moment the first is remembered: an entry of T0 + window.
+    let (reply, _, changes) = run(&mut s, T0 + CREATE_ONCE_WINDOW_MS, create_once(1, 1));
+    assert_eq!(reply, Ok(Reply::Created(vec![JobKey::new(P, 1)])));
+    assert!(changes.is_empty());
+    // One ms later it is forgotten (and the change says so), the second is not.
+    let (reply, _, changes) = run(
+        &mut s,
+        T0 + CREATE_ONCE_WINDOW_MS + 1,
+        Command::Cancel {
+            key: JobKey::new(P, 2),
+        },
+    );
+    assert_eq!(reply, Ok(Reply::Done));
+    assert_eq!(changes.requests, requests(&[1]));
+    assert_eq!(s.create_record(RequestId(1)), None);
+    assert!(s.create_record(RequestId(2)).is_some());
+    // Sent after the window, the first would be created again: the gateway never
+    // sends one that late.
+    let (reply, _, _) = run(&mut s, T0 + CREATE_ONCE_WINDOW_MS + 2, create_once(1, 1));
+    assert_eq!(reply, Ok(Reply::Created(vec![JobKey::new(P, 3)])));
+    assert_eq!(s.creates().count(), 2);
+}
+
+#[test]
+fn a_state_rebuilt_with_its_creates_answers_a_create_sent_again_alike() {
+    let mut s = State::new(P);
+    assert!(run(&mut s, T0, create_once(5, 3)).0.is_ok());
+    assert!(run(&mut s, T0 + 50, create_once(6, 1)).0.is_ok());
+    let mut rebuilt = State::from_parts(P, s.counters().clone(), s.jobs().cloned(), s.creates());
+    for state in [&mut s, &mut rebuilt] {
+        let (reply, _, changes) = run(
+            &mut *state,
+            T0 + CREATE_ONCE_WINDOW_MS + 10,
+            create_once(5, 3),
+        );
+        // Forgotten on both by the same entry, so both create it anew.
+        assert_eq!(
+            reply,
+            Ok(Reply::Created((5..=7).map(|c| JobKey::new(P, c)).collect()))
+        );
+        assert_eq!(changes.requests, requests(&[5]));
+        let (reply, _, _) = run(
+            &mut *state,
+            T0 + CREATE_ONCE_WINDOW_MS + 20,
+            create_once(6, 1),
+        );
+        assert_eq!(reply, Ok(Reply::Created(vec![JobKey::new(P, 4)])));
+    }
+    assert_eq!(
+        s.creates().collect::<Vec<_>>(),
+        rebuilt.creates().collect::<Vec<_>>()
+    );
 }
 
 #[test]
@@ -639,7 +772,7 @@ fn state_rebuilt_from_its_jobs_has_the_same_indexes() {
         run(&mut s, T0, Command::Cancel { key: c }).0,
         Ok(Reply::Done)
     );
-    let rebuilt = State::from_parts(P, s.counters().clone(), s.jobs().cloned());
+    let rebuilt = State::from_parts(P, s.counters().clone(), s.jobs().cloned(), s.creates());
     assert_eq!(rebuilt.next_deadline(), s.next_deadline());
     assert_eq!(rebuilt.activatable_types(), s.activatable_types());
     assert_eq!(rebuilt.due_deadlines(i64::MAX, 10), vec![a]);

@@ -49,12 +49,19 @@ impl std::str::FromStr for Durability {
 
 /// The version of what a broker writes to its data directory (log entries, jobs,
 /// snapshots), kept in the directory's `FORMAT` file. 2: activations record the
-/// gateway and term of their push.
-pub const DATA_FORMAT: u32 = 2;
+/// gateway and term of their push. 3: log entries may hold `CreateOnce`, and a
+/// partition stores the creates it remembers (a keyspace, and a snapshot's tail).
+pub const DATA_FORMAT: u32 = 3;
+
+/// The one earlier format this broker reads: 3 only adds to it, so such a directory
+/// is marked 3 and used as it is (after which the version that wrote it refuses it,
+/// as it could not read what is added).
+const UPGRADES_FROM: u32 = 2;
 
 /// Makes sure `dir` holds data this broker can read: a new directory is marked with
-/// [`DATA_FORMAT`]; one written in another format (or before formats were marked)
-/// is refused with what to do, instead of being misread.
+/// [`DATA_FORMAT`], one of [`UPGRADES_FROM`] is marked anew; one written in another
+/// format (or before formats were marked) is refused with what to do, instead of
+/// being misread.
 pub fn check_format(dir: &Path) -> Result<(), String> {
     let marker = dir.join("FORMAT");
     let refuse = |found: &str| {
@@ -68,6 +75,15 @@ pub fn check_format(dir: &Path) -> Result<(), String> {
     match std::fs::read_to_string(&marker) {
         Ok(text) => match text.trim().parse::<u32>() {
             Ok(v) if v == DATA_FORMAT => Ok(()),
+            Ok(UPGRADES_FROM) => {
+                write_durably(dir, &marker, format!("{DATA_FORMAT}\n").as_bytes())
+                    .map_err(|e| format!("cannot mark {}: {e}", marker.display()))?;
+                tracing::info!(
+                    dir = %dir.display(),
+                    "data directory of format {UPGRADES_FROM} marked {DATA_FORMAT}"
+                );
+                Ok(())
+            }
             Ok(v) => refuse(&format!("format {v}")),
             Err(_) => refuse(&format!("unreadable FORMAT file {:?}", text.trim())),
         },
@@ -469,6 +485,13 @@ mod tests {
             format!("{DATA_FORMAT}\n")
         );
         check_format(&data).expect("its own format");
+        // The format before, which this one only adds to, is taken and marked.
+        std::fs::write(data.join("FORMAT"), "2\n").unwrap();
+        check_format(&data).expect("format 2 is read");
+        assert_eq!(
+            std::fs::read_to_string(data.join("FORMAT")).unwrap(),
+            format!("{DATA_FORMAT}\n")
+        );
         std::fs::write(data.join("FORMAT"), "1").unwrap();
         let e = check_format(&data).unwrap_err();
         assert!(

@@ -4,17 +4,16 @@
 
 use super::durable::Durable;
 use super::{read_err, write_err, Db};
-use crate::engine::{Applied, Changes, Counters, Job, State};
+use crate::engine::{Applied, Changes, Counters, CreateRecord, Job, State};
 use crate::raft::TypeConfig;
 use courier_proto::codec;
-use courier_proto::domain::PartitionId;
+use courier_proto::domain::{PartitionId, RequestId};
 use fjall::Keyspace;
 use openraft::storage::{RaftStateMachine, Snapshot, SnapshotMeta};
 use openraft::{
     BasicNode, Entry, EntryPayload, LogId, OptionalSend, RaftSnapshotBuilder, StorageError,
     StoredMembership,
 };
-use serde::{Deserialize, Serialize};
 use std::io::Cursor;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -84,11 +83,32 @@ impl SharedState {
     }
 }
 
-/// The data of a snapshot: every job and the counters.
-#[derive(Serialize, Deserialize)]
+/// The data of a snapshot: every job, the counters and the remembered creates.
+/// Encoded as its fields in order; a snapshot from before creates were remembered
+/// ends after the jobs, and reads as one with none.
 struct SnapshotData {
     counters: Counters,
     jobs: Vec<Job>,
+    creates: Vec<(RequestId, CreateRecord)>,
+}
+
+impl SnapshotData {
+    fn decode(bytes: &[u8]) -> Result<SnapshotData, codec::CodecError> {
+        let ((counters, jobs), rest): ((Counters, Vec<Job>), _) = codec::decode_prefix(bytes)?;
+        let creates = if rest.is_empty() {
+            Vec::new()
+        } else {
+            codec::decode::<Vec<([u8; 16], CreateRecord)>>(rest)?
+                .into_iter()
+                .map(|(id, r)| (RequestId(u128::from_be_bytes(id)), r))
+                .collect()
+        };
+        Ok(SnapshotData {
+            counters,
+            jobs,
+            creates,
+        })
+    }
 }
 
 /// The latest snapshot, as built or installed.
@@ -131,6 +151,8 @@ pub struct StateMachine {
     db: Db,
     jobs: Keyspace,
     meta: Keyspace,
+    /// Remembered creates ([`CreateRecord`]) by request id.
+    requests: Keyspace,
     shared: Arc<SharedState>,
     snapshot: Arc<Mutex<Option<StoredSnapshot>>>,
     snapshot_path: PathBuf,
@@ -158,6 +180,9 @@ impl StateMachine {
         let meta = db
             .keyspace(&format!("p{}.meta", partition.0))
             .map_err(read_err)?;
+        let requests = db
+            .keyspace(&format!("p{}.requests", partition.0))
+            .map_err(read_err)?;
         let stored = StoredMeta::read(|k| meta.get(k))?;
         let (last_applied, membership) = (stored.last_applied, stored.membership);
         let counters = match stored.counters {
@@ -170,10 +195,16 @@ impl StateMachine {
             let (_, v) = g.into_inner().map_err(read_err)?;
             loaded.push(codec::decode::<Job>(&v).map_err(read_err)?);
         }
+        let mut creates = Vec::new();
+        for g in requests.iter() {
+            let (k, v) = g.into_inner().map_err(read_err)?;
+            creates.push((request_id(&k)?, codec::decode(&v).map_err(read_err)?));
+        }
         // Seconds with millions of open jobs: say what the broker was doing.
         tracing::info!(
             partition = partition.0,
             jobs = loaded.len(),
+            creates = creates.len(),
             took = ?started.elapsed(),
             "partition state loaded"
         );
@@ -184,8 +215,9 @@ impl StateMachine {
             db: db.clone(),
             jobs,
             meta,
+            requests,
             shared: Arc::new(SharedState::new(AppliedState {
-                state: State::from_parts(partition, counters, loaded),
+                state: State::from_parts(partition, counters, loaded, creates),
                 last_applied,
                 membership,
             })),
@@ -200,14 +232,22 @@ impl StateMachine {
         self.shared.clone()
     }
 
-    /// Writes the changed jobs, the counters and last-applied in one atomic batch.
+    /// Writes the changed jobs and create records, the counters and last-applied in
+    /// one atomic batch.
     fn persist(&self, a: &AppliedState, changes: &Changes) -> Result<(), StorageError<NodeId>> {
         let mut batch = self.db.database().batch();
-        for key in changes {
+        for key in &changes.jobs {
             let k = (key.0 as u64).to_be_bytes();
             match a.state.job(*key) {
                 Some(job) => batch.insert(&self.jobs, k, codec::to_vec(job).map_err(write_err)?),
                 None => batch.remove(&self.jobs, k),
+            }
+        }
+        for id in &changes.requests {
+            let k = id.0.to_be_bytes();
+            match a.state.create_record(*id) {
+                Some(r) => batch.insert(&self.requests, k, codec::to_vec(r).map_err(write_err)?),
+                None => batch.remove(&self.requests, k),
             }
         }
         self.put_meta(&mut batch, a)?;
@@ -229,6 +269,17 @@ impl StateMachine {
         );
         Ok(())
     }
+}
+
+/// The request id a key of the requests keyspace stands for.
+fn request_id(key: &[u8]) -> Result<RequestId, StorageError<NodeId>> {
+    let bytes: [u8; 16] = key.try_into().map_err(|_| {
+        read_err(std::io::Error::other(format!(
+            "a stored create's key has {} bytes, not 16",
+            key.len()
+        )))
+    })?;
+    Ok(RequestId(u128::from_be_bytes(bytes)))
 }
 
 fn load_snapshot(path: &PathBuf) -> Result<Option<StoredSnapshot>, StorageError<NodeId>> {
@@ -326,6 +377,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             view: Some(self.db.database().snapshot()),
             jobs: self.jobs.clone(),
             meta: self.meta.clone(),
+            requests: self.requests.clone(),
             snapshot: self.snapshot.clone(),
             path: self.snapshot_path.clone(),
         }
@@ -343,7 +395,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError<NodeId>> {
         let bytes = snapshot.into_inner();
-        let data: SnapshotData = codec::decode(&bytes).map_err(read_err)?;
+        let data = SnapshotData::decode(&bytes).map_err(read_err)?;
         let stored = StoredSnapshot {
             meta: meta.clone(),
             data: Arc::new(bytes),
@@ -364,7 +416,17 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                     codec::to_vec(job).map_err(write_err)?,
                 );
             }
-            a.state = State::from_parts(partition, data.counters, data.jobs);
+            for g in self.requests.iter() {
+                batch.remove(&self.requests, g.key().map_err(read_err)?);
+            }
+            for (id, record) in &data.creates {
+                batch.insert(
+                    &self.requests,
+                    id.0.to_be_bytes(),
+                    codec::to_vec(record).map_err(write_err)?,
+                );
+            }
+            a.state = State::from_parts(partition, data.counters, data.jobs, data.creates);
             a.last_applied = meta.last_log_id;
             a.membership = meta.last_membership.clone();
             self.put_meta(&mut batch, &a)?;
@@ -410,6 +472,7 @@ pub struct SnapshotBuilder {
     view: Option<fjall::Snapshot>,
     jobs: Keyspace,
     meta: Keyspace,
+    requests: Keyspace,
     snapshot: Arc<Mutex<Option<StoredSnapshot>>>,
     path: PathBuf,
 }
@@ -422,9 +485,9 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             .view
             .take()
             .ok_or_else(|| write_err(std::io::Error::other("a snapshot builder is used once")))?;
-        let (jobs, meta) = (self.jobs.clone(), self.meta.clone());
+        let stored = [self.jobs.clone(), self.meta.clone(), self.requests.clone()];
         let (current, path) = (self.snapshot.clone(), self.path.clone());
-        tokio::task::spawn_blocking(move || build(&view, &jobs, &meta, &current, &path))
+        tokio::task::spawn_blocking(move || build(&view, &stored, &current, &path))
             .await
             .map_err(write_err)?
     }
@@ -434,8 +497,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
 /// makes it current.
 fn build(
     view: &fjall::Snapshot,
-    jobs: &Keyspace,
-    meta: &Keyspace,
+    [jobs, meta, requests]: &[Keyspace; 3],
     current: &Mutex<Option<StoredSnapshot>>,
     path: &PathBuf,
 ) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
@@ -451,7 +513,16 @@ fn build(
         .iter(jobs)
         .map(|g| g.value().map_err(read_err))
         .collect::<Result<Vec<_>, _>>()?;
-    let data = join_snapshot(&counters, stored_jobs.iter().map(|v| &v[..])).map_err(write_err)?;
+    let creates = view
+        .iter(requests)
+        .map(|g| g.into_inner().map_err(read_err))
+        .collect::<Result<Vec<_>, _>>()?;
+    let data = join_snapshot(
+        &counters,
+        stored_jobs.iter().map(|v| &v[..]),
+        creates.iter().map(|(k, v)| (&k[..], &v[..])),
+    )
+    .map_err(write_err)?;
     let reading = started.elapsed();
     let id = match last_applied {
         Some(l) => format!("{}-{}-{}", l.leader_id, l.index, data.len()),
@@ -471,6 +542,7 @@ fn build(
     crate::metrics::SNAPSHOT_SECONDS.observe(took.as_secs_f64());
     tracing::debug!(
         jobs = stored_jobs.len(),
+        creates = creates.len(),
         bytes = stored.data.len(),
         ?reading,
         ?took,
@@ -484,19 +556,34 @@ fn build(
     })
 }
 
-/// The encoded [`SnapshotData`] made of the counters' and the jobs' stored encodings
-/// as they are: postcard writes a struct as its fields in order and a sequence as
-/// its length (a varint, like a u64) followed by its elements.
+/// The encoded [`SnapshotData`] made of the stored encodings of the counters, the
+/// jobs and the creates (key and value) as they are: postcard writes a struct as
+/// its fields in order, a sequence as its length (a varint, like a u64) followed
+/// by its elements, and a byte array (the 16-byte key) as its bytes.
 pub fn join_snapshot<'a>(
     counters: &[u8],
     jobs: impl ExactSizeIterator<Item = &'a [u8]> + Clone,
+    creates: impl ExactSizeIterator<Item = (&'a [u8], &'a [u8])> + Clone,
 ) -> Result<Vec<u8>, codec::CodecError> {
-    let count = codec::to_vec(&(jobs.len() as u64))?;
-    let size = counters.len() + count.len() + jobs.clone().map(<[u8]>::len).sum::<usize>();
+    let job_count = codec::to_vec(&(jobs.len() as u64))?;
+    let create_count = codec::to_vec(&(creates.len() as u64))?;
+    let size = counters.len()
+        + job_count.len()
+        + jobs.clone().map(<[u8]>::len).sum::<usize>()
+        + create_count.len()
+        + creates
+            .clone()
+            .map(|(k, v)| k.len() + v.len())
+            .sum::<usize>();
     let mut data = Vec::with_capacity(size);
     data.extend_from_slice(counters);
-    data.extend_from_slice(&count);
+    data.extend_from_slice(&job_count);
     for v in jobs {
+        data.extend_from_slice(v);
+    }
+    data.extend_from_slice(&create_count);
+    for (k, v) in creates {
+        data.extend_from_slice(k);
         data.extend_from_slice(v);
     }
     Ok(data)
@@ -507,7 +594,9 @@ mod tests {
     use super::*;
     use crate::engine::{Batch, LogCommand};
     use crate::store::Durability;
-    use courier_proto::domain::{Command, NewJob, ProcessContext, DEFAULT_TENANT};
+    use courier_proto::domain::{
+        Command, JobKey, NewJob, ProcessContext, Reply, RequestId, DEFAULT_TENANT,
+    };
     use openraft::{CommittedLeaderId, RaftSnapshotBuilder};
 
     /// Applies wake the timers only when they make something due before the time the
@@ -516,7 +605,7 @@ mod tests {
     fn timers_are_woken_only_for_something_due_sooner() {
         use futures::FutureExt;
         let shared = SharedState::new(AppliedState {
-            state: State::from_parts(PartitionId(1), Counters::default(), Vec::new()),
+            state: State::new(PartitionId(1)),
             last_applied: None,
             membership: StoredMembership::default(),
         });
@@ -539,23 +628,139 @@ mod tests {
         assert!(!woken(None));
     }
 
-    fn create(index: u64, jobs: usize) -> Entry<TypeConfig> {
-        let job = NewJob {
+    fn job() -> NewJob {
+        NewJob {
             job_type: "t".into(),
             variables: "{}".into(),
             custom_headers: "{}".into(),
             retries: 3,
             tenant_id: DEFAULT_TENANT.into(),
             process: ProcessContext::default(),
-        };
+        }
+    }
+
+    fn entry(index: u64, ts: i64, cmd: Command) -> Entry<TypeConfig> {
         Entry {
             log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
             payload: EntryPayload::Normal(Batch {
-                ts: 1,
-                commands: vec![LogCommand::client(Command::Create(vec![job; jobs]))],
+                ts,
+                commands: vec![LogCommand::client(cmd)],
                 on_flushed: Default::default(),
             }),
         }
+    }
+
+    fn create(index: u64, jobs: usize) -> Entry<TypeConfig> {
+        entry(index, 1, Command::Create(vec![job(); jobs]))
+    }
+
+    fn create_once(id: u128, jobs: usize) -> Command {
+        Command::CreateOnce {
+            request: RequestId(id),
+            jobs: vec![job(); jobs],
+        }
+    }
+
+    fn creates(sm: &StateMachine) -> Vec<(RequestId, CreateRecord)> {
+        sm.shared().read().state.creates().collect()
+    }
+
+    /// What a partition remembers of its creates is stored with its jobs, read back
+    /// on restart, carried by its snapshots and installed from them; what it forgets
+    /// is deleted.
+    #[tokio::test]
+    async fn remembered_creates_survive_restarts_and_travel_in_snapshots() {
+        use courier_proto::domain::CREATE_ONCE_WINDOW_MS;
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&dir.path().join("a"), Durability::Fsync).unwrap();
+        let snaps = dir.path().join("snaps-a");
+        let mut sm = StateMachine::open(&db, PartitionId(1), snaps.clone()).unwrap();
+        let t0 = 1_000_000;
+        sm.apply([
+            entry(1, t0, create_once(10, 2)),
+            entry(2, t0 + 5, create_once(11, 1)),
+        ])
+        .await
+        .unwrap();
+        let remembered = creates(&sm);
+        assert_eq!(remembered.len(), 2);
+        let snap = sm
+            .get_snapshot_builder()
+            .await
+            .build_snapshot()
+            .await
+            .unwrap();
+        drop(sm);
+        let mut sm = StateMachine::open(&db, PartitionId(1), snaps.clone()).unwrap();
+        assert_eq!(creates(&sm), remembered, "read back on restart");
+        let again = sm
+            .apply([entry(3, t0 + 10, create_once(10, 2))])
+            .await
+            .unwrap();
+        assert_eq!(
+            again[0].replies,
+            vec![Ok(Reply::Created(vec![
+                JobKey::new(PartitionId(1), 1),
+                JobKey::new(PartitionId(1), 2)
+            ]))]
+        );
+        assert_eq!(sm.shared().read().state.job_count(), 3);
+
+        // Installed on a replica that had none: remembered there, and stored.
+        let data = SnapshotData::decode(snap.snapshot.get_ref()).unwrap();
+        assert_eq!(data.creates, remembered);
+        let other_db = Db::open(&dir.path().join("b"), Durability::Fsync).unwrap();
+        let other_snaps = dir.path().join("snaps-b");
+        let mut other = StateMachine::open(&other_db, PartitionId(1), other_snaps.clone()).unwrap();
+        other
+            .apply([entry(1, t0, create_once(99, 1))])
+            .await
+            .unwrap();
+        other
+            .install_snapshot(&snap.meta, snap.snapshot.clone())
+            .await
+            .unwrap();
+        assert_eq!(creates(&other), remembered);
+        drop(other);
+        let other = StateMachine::open(&other_db, PartitionId(1), other_snaps).unwrap();
+        assert_eq!(creates(&other), remembered, "stored by the install");
+
+        // Forgotten once an entry is past the window, and deleted from the store.
+        sm.apply([entry(4, t0 + 6 + CREATE_ONCE_WINDOW_MS, create_once(12, 1))])
+            .await
+            .unwrap();
+        assert_eq!(
+            creates(&sm)
+                .into_iter()
+                .map(|(id, _)| id)
+                .collect::<Vec<_>>(),
+            vec![RequestId(12)]
+        );
+        drop(sm);
+        let sm = StateMachine::open(&db, PartitionId(1), snaps).unwrap();
+        assert_eq!(creates(&sm).len(), 1);
+    }
+
+    /// A snapshot from before creates were remembered (counters and jobs only) is
+    /// read as one that remembers none.
+    #[test]
+    fn a_snapshot_without_creates_reads_as_one_with_none() {
+        let mut state = State::new(PartitionId(1));
+        let mut changes = Changes::new();
+        if let EntryPayload::Normal(batch) = create(1, 2).payload {
+            state.apply_batch(1, &batch, &mut changes);
+        }
+        let jobs: Vec<Job> = state.jobs().cloned().collect();
+        let old = codec::to_vec(&(state.counters().clone(), jobs.clone())).unwrap();
+        let data = SnapshotData::decode(&old).unwrap();
+        assert_eq!(
+            (data.counters, data.jobs, data.creates),
+            (state.counters().clone(), jobs, vec![])
+        );
+        assert!(
+            SnapshotData::decode(&old[..old.len() - 1]).is_err(),
+            "a cut one is refused"
+        );
     }
 
     /// The builder holds the state as it was when openraft asked for it (between two
@@ -572,7 +777,7 @@ mod tests {
         sm.apply([create(3, 5)]).await.unwrap();
         let snap = builder.build_snapshot().await.unwrap();
         assert_eq!(snap.meta.last_log_id.map(|l| l.index), Some(2));
-        let data: SnapshotData = codec::decode(snap.snapshot.get_ref()).unwrap();
+        let data = SnapshotData::decode(snap.snapshot.get_ref()).unwrap();
         assert_eq!(data.jobs.len(), 7);
         assert_eq!(sm.shared().read().state.job_count(), 12);
 
