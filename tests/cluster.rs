@@ -1584,23 +1584,30 @@ async fn a_broker_slow_to_load_its_partitions_takes_no_leadership_when_back() {
     );
 }
 
-/// A create whose leader dies after its followers received the entry, but before
-/// the gateway has the answer: the gateway sends it again to the next leader, which
-/// commits the first attempt's entry and answers the resend with that job. One job
-/// is created, not two. The followers are frozen while the leader takes the create,
-/// so what it sends them waits in their sockets; with election timeouts longer than
-/// the freeze, they read it before they stand.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_create_sent_again_after_its_leader_died_creates_one_job() {
-    let _g = serial().await;
-    let mut cluster = Cluster::start(ClusterOpts {
+/// A one-partition cluster whose elections wait longer (2-2.5 s) than
+/// [`sent_as_its_leader_dies`] keeps followers frozen.
+async fn slow_electing_cluster(job_type: &str) -> (Cluster, Client) {
+    let cluster = Cluster::start(ClusterOpts {
         partitions: 1,
         election_timeout: Some(("2s", "2500ms")),
         ..ClusterOpts::default()
     })
     .await;
     let c = cluster.client();
-    wait_leaders_answer_empty_polls(&cluster, &c, "once", 1.0).await;
+    wait_leaders_answer_empty_polls(&cluster, &c, job_type, 1.0).await;
+    (cluster, c)
+}
+
+/// Sends a command (`send`) whose leader dies after its followers received the
+/// entry, but before the gateway has the answer: the followers are frozen while the
+/// leader appends it, so what the leader sends them waits in their sockets; then
+/// the leader is killed and the followers let go. With election timeouts longer
+/// than the freeze they read it before they stand, and the next leader commits it.
+/// The gateway sends the command again to that leader; returns its answer.
+async fn sent_as_its_leader_dies<T: Send + 'static>(
+    cluster: &mut Cluster,
+    send: impl std::future::Future<Output = T> + Send + 'static,
+) -> T {
     let leader = cluster.leaders().await[&1];
     let leader_metrics = cluster.broker_metrics[&leader].clone();
     let log_index = || metric(&leader_metrics, "courier_broker_partition_log_index");
@@ -1609,13 +1616,10 @@ async fn a_create_sent_again_after_its_leader_died_creates_one_job() {
     for f in &followers {
         cluster.freeze_broker(*f, true);
     }
-    let create = tokio::spawn({
-        let c = c.clone();
-        async move { c.create_job(NewJob::new("once")).await }
-    });
+    let sent = tokio::spawn(send);
     wait_until(
         Duration::from_secs(5),
-        "the leader appends the create",
+        "the leader appends the command",
         || async { log_index().await > before },
     )
     .await;
@@ -1625,10 +1629,27 @@ async fn a_create_sent_again_after_its_leader_died_creates_one_job() {
     for f in &followers {
         cluster.freeze_broker(*f, false);
     }
-    let job = tokio::time::timeout(Duration::from_secs(30), create)
+    tokio::time::timeout(Duration::from_secs(30), sent)
         .await
-        .expect("the create is answered")
+        .expect("the command is answered")
         .unwrap()
+}
+
+const REPEATED: &str = "courier_broker_repeated_commands_total";
+
+/// A create sent again after its leader died with the answer: the next leader
+/// commits the first attempt's entry and answers the resend with that job. One job
+/// is created, not two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_sent_again_after_its_leader_died_creates_one_job() {
+    let _g = serial().await;
+    let (mut cluster, c) = slow_electing_cluster("once").await;
+    let create = {
+        let c = c.clone();
+        async move { c.create_job(NewJob::new("once")).await }
+    };
+    let job = sent_as_its_leader_dies(&mut cluster, create)
+        .await
         .expect("the create succeeds on the next leader");
     let jobs = c
         .activate_jobs(poll("once", 10).request_timeout(Duration::from_secs(1)))
@@ -1641,11 +1662,45 @@ async fn a_create_sent_again_after_its_leader_died_creates_one_job() {
         "one job, the one the create answered with"
     );
     assert_eq!(
-        cluster
-            .broker_metric("courier_broker_creates_repeated_total")
-            .await,
+        cluster.broker_metric(REPEATED).await,
         1.0,
         "the resend was answered with the first attempt's job"
+    );
+}
+
+/// A fail sent again after its leader died with the answer: answered as done (the
+/// first attempt's outcome), not refused because the job is no longer activated,
+/// and the job failed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fail_sent_again_after_its_leader_died_succeeds_and_fails_the_job_once() {
+    let _g = serial().await;
+    let (mut cluster, c) = slow_electing_cluster("once-fail").await;
+    let key = c
+        .create_job(NewJob::new("once-fail").retries(3))
+        .await
+        .expect("create")
+        .key;
+    let got = c
+        .activate_jobs(poll("once-fail", 1))
+        .await
+        .expect("activate");
+    assert_eq!(got.first().map(|j| j.key), Some(key));
+    let fail = {
+        let c = c.clone();
+        async move { c.fail_job(key, 2, "boom", Duration::ZERO).await }
+    };
+    sent_as_its_leader_dies(&mut cluster, fail)
+        .await
+        .expect("the fail succeeds on the next leader");
+    assert_eq!(cluster.broker_metric(REPEATED).await, 1.0);
+    let again = c
+        .activate_jobs(poll("once-fail", 1))
+        .await
+        .expect("activate");
+    assert_eq!(
+        again.iter().map(|j| (j.key, j.retries)).collect::<Vec<_>>(),
+        vec![(key, 2)],
+        "runnable again, failed once"
     );
 }
 

@@ -363,12 +363,13 @@ pub static BACKFILLED: LazyLock<IntCounter> = LazyLock::new(|| {
     )))
 });
 
-/// Creates sent again (a gateway's resend after a failover lost the first answer)
-/// that a partition answered with the jobs it made the first time.
-pub static CREATES_REPEATED: LazyLock<IntCounter> = LazyLock::new(|| {
+/// Creates, fails and thrown errors sent again (a gateway's resend after a
+/// failover lost the first answer) that a partition answered as it did the first
+/// attempt, instead of carrying them out again.
+pub static REPEATS: LazyLock<IntCounter> = LazyLock::new(|| {
     register(built(IntCounter::new(
-        "courier_broker_creates_repeated_total",
-        "Creates sent again after a failover, answered with the jobs of the first attempt instead of new ones",
+        "courier_broker_repeated_commands_total",
+        "Creates, fails and thrown errors sent again after a failover, answered as their first attempt was instead of carried out again",
     )))
 });
 
@@ -503,7 +504,7 @@ mod tests {
         super::YIELDS.with_label_values(&["gateway"]).inc();
         super::BACKFILLED.inc();
         super::NOTICE_CATCH_UPS.inc();
-        super::CREATES_REPEATED.inc_by(0);
+        super::REPEATS.inc_by(0);
         super::RECONCILED.with_label_values(&["held"]).inc();
         super::EMPTY_ACTIVATIONS
             .with_label_values(&["claimed"])
@@ -533,7 +534,7 @@ mod tests {
             "courier_broker_pushed_jobs_active",
             "courier_broker_peers_unreachable",
             "courier_broker_peer_calls_unreachable_total",
-            "courier_broker_creates_repeated_total",
+            "courier_broker_repeated_commands_total",
         ] {
             assert!(names.iter().any(|x| x == n), "{n} missing from {names:?}");
         }

@@ -104,26 +104,22 @@ struct Proposal {
 fn approx_bytes(cmd: &LogCommand) -> usize {
     use courier_proto::domain::Command;
     match cmd {
-        LogCommand::Client {
-            cmd: Command::Create(jobs) | Command::CreateOnce { jobs, .. },
-            ..
-        } => jobs
-            .iter()
-            .map(|j| j.variables.len() + j.custom_headers.len() + 128)
-            .sum(),
-        LogCommand::Client {
-            cmd:
-                Command::Complete {
-                    variables: Some(v), ..
-                }
-                | Command::Fail {
-                    variables: Some(v), ..
-                }
-                | Command::ThrowError {
-                    variables: Some(v), ..
-                },
-            ..
-        } => v.len() + 128,
+        LogCommand::Client { cmd, .. } => match cmd.inner() {
+            Command::Create(jobs) => jobs
+                .iter()
+                .map(|j| j.variables.len() + j.custom_headers.len() + 128)
+                .sum(),
+            Command::Complete {
+                variables: Some(v), ..
+            }
+            | Command::Fail {
+                variables: Some(v), ..
+            }
+            | Command::ThrowError {
+                variables: Some(v), ..
+            } => v.len() + 128,
+            _ => 128,
+        },
         LogCommand::TimeOut { keys, .. } | LogCommand::Recur { keys, .. } => keys.len() * 24 + 128,
         _ => 128,
     }
@@ -587,7 +583,7 @@ impl Partition {
         let via = matches!(cmd, Command::Activate { .. })
             .then(|| gateway.as_deref().map(str::to_string))
             .flatten();
-        let ends_from = match (&cmd, gateway) {
+        let ends_from = match (cmd.inner(), gateway) {
             (
                 Command::Complete { key, .. }
                 | Command::Fail { key, .. }
@@ -711,8 +707,8 @@ impl Partition {
     /// The streams that may take the jobs this command makes runnable: decided here,
     /// on the leader, and written into the command so every replica activates alike.
     fn push_targets(&self, cmd: &Command) -> Vec<PushTarget> {
-        match cmd {
-            Command::Create(jobs) | Command::CreateOnce { jobs, .. } => {
+        match cmd.inner() {
+            Command::Create(jobs) => {
                 let mut wanted: BTreeMap<(&str, &str), u32> = BTreeMap::new();
                 for j in jobs {
                     *wanted.entry((&j.job_type, &j.tenant_id)).or_default() += 1;
@@ -1078,10 +1074,10 @@ async fn write(p: Arc<Partition>, batch: Vec<Proposal>, on_flushed: FlushSignal,
     match result {
         Ok(resp) => {
             if resp.data.repeated > 0 {
-                metrics::CREATES_REPEATED.inc_by(u64::from(resp.data.repeated));
+                metrics::REPEATS.inc_by(u64::from(resp.data.repeated));
                 tracing::info!(
-                    creates = resp.data.repeated,
-                    "creates sent again answered with the jobs of their first attempt"
+                    commands = resp.data.repeated,
+                    "commands sent again answered as their first attempt was"
                 );
             }
             for e in &resp.data.effects {

@@ -226,8 +226,8 @@ fn request_kind(r: &Request) -> &'static str {
     use courier_proto::domain::Command as C;
     match r {
         Request::GetJob { .. } => "get_job",
-        Request::Command(c) => match c {
-            C::Create(_) | C::CreateOnce { .. } => "create",
+        Request::Command(c) => match c.inner() {
+            C::Create(_) => "create",
             C::Activate { .. } => "activate",
             C::Complete { .. } => "complete",
             C::Fail { .. } => "fail",
@@ -235,6 +235,8 @@ fn request_kind(r: &Request) -> &'static str {
             C::UpdateRetries { .. } => "update_retries",
             C::UpdateTimeout { .. } => "update_timeout",
             C::Cancel { .. } => "cancel",
+            // Nested: refused by the engine.
+            C::Once { .. } => "once",
         },
     }
 }

@@ -12,7 +12,7 @@ use courier_proto::convert;
 use courier_proto::courier_v1::{self as v1, jobs_server::Jobs};
 use courier_proto::domain::{
     ActivationProps, BrokerError, Command, JobKey, NewJob, PartitionId, Reply, Request, RequestId,
-    CREATE_RESEND_MS,
+    RESEND_FOR_MS,
 };
 use courier_proto::gateway_protocol::{self as gw, gateway_server::Gateway};
 use futures::{Stream, StreamExt};
@@ -105,8 +105,9 @@ impl RoundRobin {
     }
 }
 
-/// Draws the ids that make a create happen once however often it is sent
-/// ([`Command::CreateOnce`]): a random prefix per gateway process, then a counter.
+/// Draws the ids that make a create, a fail or a thrown error happen once however
+/// often it is sent ([`Command::Once`]): a random prefix per gateway process, then
+/// a counter.
 #[derive(Debug)]
 pub struct RequestIds {
     prefix: u64,
@@ -156,7 +157,7 @@ pub struct Shared {
     push_enabled: bool,
     activate_start: RoundRobin,
     create_start: RoundRobin,
-    create_ids: RequestIds,
+    request_ids: RequestIds,
     shutdown: CancellationToken,
 }
 
@@ -183,7 +184,7 @@ impl Shared {
             push_enabled,
             activate_start: RoundRobin::default(),
             create_start: RoundRobin::default(),
-            create_ids: RequestIds::new(),
+            request_ids: RequestIds::new(),
             shutdown,
         })
     }
@@ -222,13 +223,28 @@ impl Shared {
     }
 
     /// Runs a command that answers `Done` on the job's partition.
+    /// A fail or a thrown error is sent as a [`Command::Once`], for at most
+    /// [`RESEND_FOR_MS`]: sent again after a failover that lost the answer of an
+    /// attempt that was applied, it is answered as that attempt was, instead of
+    /// failing the job's next activation (or being refused as the job is no longer
+    /// activated). A completion needs none: sent again, it finds the job gone, which
+    /// the router takes as done.
     async fn job_command(
         &self,
         key: i64,
         command: Result<Command, String>,
-        deadline: Instant,
+        mut deadline: Instant,
     ) -> Result<(), GatewayError> {
-        let command = command.map_err(invalid)?;
+        let command = match command.map_err(invalid)? {
+            c @ (Command::Fail { .. } | Command::ThrowError { .. }) => {
+                deadline = deadline.min(resend_limit());
+                Command::Once {
+                    request: self.request_ids.next(),
+                    command: Box::new(c),
+                }
+            }
+            c => c,
+        };
         match self
             .on_job(JobKey(key), Request::Command(command), deadline)
             .await?
@@ -404,15 +420,15 @@ impl Shared {
     /// without a reachable leader is passed over only while the command certainly was
     /// not applied there. One sent again to a partition where it may have been
     /// applied (its answer lost in a failover) carries the same request id, and the
-    /// partition answers with the jobs of the first time ([`Command::CreateOnce`]):
-    /// a job is never created twice. It is sent again for at most
-    /// [`CREATE_RESEND_MS`], within which partitions remember the id.
+    /// partition answers with the jobs of the first time ([`Command::Once`]): a job
+    /// is never created twice. It is sent again for at most [`RESEND_FOR_MS`],
+    /// within which partitions remember the id.
     async fn create(
         &self,
         jobs: Vec<NewJob>,
         deadline: Instant,
     ) -> Result<(Vec<JobKey>, PartitionId), GatewayError> {
-        let deadline = deadline.min(instant_after(Duration::from_millis(CREATE_RESEND_MS)));
+        let deadline = deadline.min(resend_limit());
         let count = self.topology.wait_for_partitions(deadline).await;
         if count == 0 {
             return Err(BrokerError::Unavailable(
@@ -420,9 +436,9 @@ impl Shared {
             )
             .into());
         }
-        let request = Request::Command(Command::CreateOnce {
-            request: self.create_ids.next(),
-            jobs,
+        let request = Request::Command(Command::Once {
+            request: self.request_ids.next(),
+            command: Box::new(Command::Create(jobs)),
         });
         // Round-robin over the partitions that can commit now, then the others.
         let order = self.topology.healthy_first(self.create_start.order(count));
@@ -459,6 +475,11 @@ impl Shared {
             .unwrap_or_else(|| BrokerError::Unavailable("request deadline passed".into()))
             .into())
     }
+}
+
+/// How long from now a command carried out once may still be sent again.
+fn resend_limit() -> Instant {
+    instant_after(Duration::from_millis(RESEND_FOR_MS))
 }
 
 /// A create that failed after it may have reached a leader: unavailable then means

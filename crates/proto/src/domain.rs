@@ -225,30 +225,42 @@ pub enum Command {
     Cancel {
         key: JobKey,
     },
-    /// Create jobs as [`Command::Create`] does, once per `request`: a command with
-    /// the id of one applied within [`CREATE_ONCE_WINDOW_MS`] before it creates
-    /// nothing and answers with the keys that one created. A gateway sends each of a
-    /// client's creates this way, so the same command sent again to a new leader,
-    /// after the answer of an attempt that was applied got lost, does not create the
-    /// jobs twice. Last of the variants: entries written before it read the same.
-    CreateOnce {
+    /// `command` (a create, a fail or a thrown error), carried out once per
+    /// `request`: a command with the id of one applied within [`ONCE_WINDOW_MS`]
+    /// before it changes nothing and answers as that one did (a create with the
+    /// keys it made). A gateway sends those commands of its clients this way, so
+    /// one sent again to a new leader, after the answer of an attempt that was
+    /// applied got lost, neither creates the jobs twice nor fails the job's next
+    /// activation. Last of the variants: entries written before it read the same.
+    Once {
         request: RequestId,
-        jobs: Vec<NewJob>,
+        command: Box<Command>,
     },
 }
 
-/// A gateway's id of one create request; the same in every attempt to carry it out.
+impl Command {
+    /// The command itself: the one a [`Command::Once`] wraps, or this one.
+    pub fn inner(&self) -> &Command {
+        match self {
+            Command::Once { command, .. } => command,
+            other => other,
+        }
+    }
+}
+
+/// A gateway's id of one request; the same in every attempt to carry it out.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RequestId(pub u128);
 
 /// How long (ms of the leaders' clocks) a partition remembers the request id of a
-/// [`Command::CreateOnce`] it applied. A gateway sends a create again only within
-/// [`CREATE_RESEND_MS`] of its first attempt; the rest of the window allows for
-/// the clocks of two leaders telling different times.
-pub const CREATE_ONCE_WINDOW_MS: i64 = 120_000;
+/// [`Command::Once`] it applied. A gateway sends one again only within
+/// [`RESEND_FOR_MS`] of its first attempt; the rest of the window allows for the
+/// clocks of two leaders telling different times.
+pub const ONCE_WINDOW_MS: i64 = 120_000;
 
-/// How long after its first attempt a gateway may still send a create again.
-pub const CREATE_RESEND_MS: u64 = 60_000;
+/// How long after its first attempt a gateway may still send a [`Command::Once`]
+/// again.
+pub const RESEND_FOR_MS: u64 = 60_000;
 
 /// A request from a gateway to the leader of one partition.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

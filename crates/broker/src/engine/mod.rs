@@ -8,8 +8,8 @@
 
 use courier_proto::domain::{
     job_text_bytes, job_too_large, ActivatedJob, ActivationProps, BrokerError, Command, JobKey,
-    JobStateKind, JobView, NewJob, PartitionId, ProcessContext, Reply, RequestId,
-    CREATE_ONCE_WINDOW_MS, MAX_JOB_BYTES,
+    JobStateKind, JobView, NewJob, PartitionId, ProcessContext, Reply, RequestId, MAX_JOB_BYTES,
+    ONCE_WINDOW_MS,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -263,11 +263,11 @@ pub struct Counters {
 }
 
 /// What applying touched: the storage layer writes or deletes exactly these jobs
-/// and create records.
+/// and records of [`Command::Once`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Changes {
     pub jobs: BTreeSet<JobKey>,
-    /// Request ids of [`Command::CreateOnce`] recorded or forgotten.
+    /// Request ids of [`Command::Once`] recorded or forgotten.
     pub requests: BTreeSet<RequestId>,
 }
 
@@ -276,7 +276,7 @@ impl Changes {
         Changes::default()
     }
 
-    /// How many jobs and create records changed.
+    /// How many jobs and records changed.
     pub fn len(&self) -> usize {
         self.jobs.len() + self.requests.len()
     }
@@ -286,22 +286,37 @@ impl Changes {
     }
 }
 
-/// What a partition remembers of an applied [`Command::CreateOnce`]: when, and the
-/// keys it made (consecutive: one command's jobs take the next counters in turn).
+/// What a partition remembers of an applied [`Command::Once`]: when, and how it
+/// went.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CreateRecord {
+pub struct OnceRecord {
     /// The entry's timestamp (epoch ms).
     pub ts: i64,
-    /// The job counter of its first key.
-    pub first: u64,
-    pub count: u32,
+    pub outcome: Outcome,
 }
 
-impl CreateRecord {
-    fn keys(&self, partition: PartitionId) -> Vec<JobKey> {
-        (0..u64::from(self.count))
-            .map(|i| JobKey::new(partition, self.first + i))
-            .collect()
+/// How a [`Command::Once`] went: what a repeat of it is answered.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    /// Jobs created with consecutive keys (one command's jobs take the next
+    /// counters in turn): the counter of the first, and how many.
+    Created {
+        first: u64,
+        count: u32,
+    },
+    Done,
+}
+
+impl Outcome {
+    fn reply(&self, partition: PartitionId) -> Reply {
+        match *self {
+            Outcome::Created { first, count } => Reply::Created(
+                (0..u64::from(count))
+                    .map(|i| JobKey::new(partition, first + i))
+                    .collect(),
+            ),
+            Outcome::Done => Reply::Done,
+        }
     }
 }
 
@@ -317,10 +332,10 @@ pub struct State {
     deadlines: BTreeSet<(i64, JobKey)>,
     /// (retry_at, key) of jobs in back-off.
     backoffs: BTreeSet<(i64, JobKey)>,
-    /// Creates applied within [`CREATE_ONCE_WINDOW_MS`], by request id.
-    creates: BTreeMap<RequestId, CreateRecord>,
-    /// (ts, id) of `creates`, oldest first: what to forget next.
-    create_times: BTreeSet<(i64, RequestId)>,
+    /// [`Command::Once`]s applied within [`ONCE_WINDOW_MS`], by request id.
+    onces: BTreeMap<RequestId, OnceRecord>,
+    /// (ts, id) of `onces`, oldest first: what to forget next.
+    once_times: BTreeSet<(i64, RequestId)>,
 }
 
 impl State {
@@ -329,13 +344,13 @@ impl State {
         Self::from_parts(partition, Counters::default(), Vec::new(), Vec::new())
     }
 
-    /// Rebuilds the state (and its indexes) from stored jobs, counters and create
-    /// records.
+    /// Rebuilds the state (and its indexes) from stored jobs, counters and records
+    /// of [`Command::Once`].
     pub fn from_parts(
         partition: PartitionId,
         counters: Counters,
         jobs: impl IntoIterator<Item = Job>,
-        creates: impl IntoIterator<Item = (RequestId, CreateRecord)>,
+        onces: impl IntoIterator<Item = (RequestId, OnceRecord)>,
     ) -> Self {
         let mut s = State {
             partition,
@@ -344,16 +359,16 @@ impl State {
             queues: BTreeMap::new(),
             deadlines: BTreeSet::new(),
             backoffs: BTreeSet::new(),
-            creates: BTreeMap::new(),
-            create_times: BTreeSet::new(),
+            onces: BTreeMap::new(),
+            once_times: BTreeSet::new(),
         };
         for job in jobs {
             s.index(&job);
             s.jobs.insert(job.key, job);
         }
-        for (id, record) in creates {
-            s.create_times.insert((record.ts, id));
-            s.creates.insert(id, record);
+        for (id, record) in onces {
+            s.once_times.insert((record.ts, id));
+            s.onces.insert(id, record);
         }
         s
     }
@@ -378,14 +393,15 @@ impl State {
         self.jobs.len()
     }
 
-    /// The record of the create with request id `id`, while it is remembered.
-    pub fn create_record(&self, id: RequestId) -> Option<&CreateRecord> {
-        self.creates.get(&id)
+    /// The record of the [`Command::Once`] with request id `id`, while it is
+    /// remembered.
+    pub fn once_record(&self, id: RequestId) -> Option<&OnceRecord> {
+        self.onces.get(&id)
     }
 
-    /// The remembered creates, by request id.
-    pub fn creates(&self) -> impl Iterator<Item = (RequestId, CreateRecord)> + '_ {
-        self.creates.iter().map(|(id, r)| (*id, *r))
+    /// The remembered [`Command::Once`]s, by request id.
+    pub fn onces(&self) -> impl Iterator<Item = (RequestId, OnceRecord)> + '_ {
+        self.onces.iter().map(|(id, r)| (*id, *r))
     }
 
     /// The earliest activation deadline, if any job is activated.
@@ -503,7 +519,7 @@ impl State {
     /// Applies one log entry of `term`: one reply per command, in order, and the
     /// entry's effects (de-duplicated, in order of first occurrence).
     pub fn apply_batch(&mut self, term: u64, batch: &Batch, changes: &mut Changes) -> Applied {
-        self.forget_creates(batch.ts.saturating_sub(CREATE_ONCE_WINDOW_MS), changes);
+        self.forget_onces(batch.ts.saturating_sub(ONCE_WINDOW_MS), changes);
         let mut effects = Vec::new();
         let mut repeated = 0;
         let replies = batch
@@ -511,11 +527,11 @@ impl State {
             .iter()
             .map(|c| {
                 if let LogCommand::Client {
-                    cmd: Command::CreateOnce { request, .. },
+                    cmd: Command::Once { request, .. },
                     ..
                 } = c
                 {
-                    repeated += u32::from(self.creates.contains_key(request));
+                    repeated += u32::from(self.onces.contains_key(request));
                 }
                 self.apply(batch.ts, term, c, &mut effects, changes)
             })
@@ -625,25 +641,33 @@ impl State {
                     .map(|j| self.create(ts, j, budget, effects, changes))
                     .collect(),
             )),
-            Command::CreateOnce { request, jobs } => {
-                if let Some(done) = self.creates.get(request) {
-                    // An earlier attempt of this request was applied: its keys,
+            Command::Once { request, command } => {
+                if let Some(done) = self.onces.get(request) {
+                    // An earlier attempt of this request was applied: its answer,
                     // whatever became of the jobs since.
-                    return Ok(Reply::Created(done.keys(self.partition)));
+                    return Ok(done.outcome.reply(self.partition));
                 }
-                let record = CreateRecord {
-                    ts,
-                    first: self.counters.last_key + 1,
-                    count: u32::try_from(jobs.len()).unwrap_or(u32::MAX),
+                if !matches!(
+                    **command,
+                    Command::Create(_) | Command::Fail { .. } | Command::ThrowError { .. }
+                ) {
+                    return Err(BrokerError::InvalidArgument(
+                        "only a create, a fail or a thrown error is carried out once".into(),
+                    ));
+                }
+                let first = self.counters.last_key + 1;
+                let reply = self.apply_client(ts, command, budget, polled_via, effects, changes)?;
+                let outcome = match &reply {
+                    Reply::Created(keys) => Outcome::Created {
+                        first,
+                        count: u32::try_from(keys.len()).unwrap_or(u32::MAX),
+                    },
+                    _ => Outcome::Done,
                 };
-                let keys = jobs
-                    .iter()
-                    .map(|j| self.create(ts, j, budget, effects, changes))
-                    .collect();
-                self.creates.insert(*request, record);
-                self.create_times.insert((ts, *request));
+                self.onces.insert(*request, OnceRecord { ts, outcome });
+                self.once_times.insert((ts, *request));
                 changes.requests.insert(*request);
-                Ok(Reply::Created(keys))
+                Ok(reply)
             }
             Command::Activate { props, max_jobs } => Ok(Reply::Activated(
                 self.activate(ts, props, *max_jobs, polled_via, changes),
@@ -779,16 +803,16 @@ impl State {
         key
     }
 
-    /// Forgets the creates applied before `cutoff` (epoch ms of the entry being
-    /// applied, less the window): the same on every replica, as it goes by entries'
-    /// timestamps only.
-    fn forget_creates(&mut self, cutoff: i64, changes: &mut Changes) {
-        while let Some(&(ts, id)) = self.create_times.first() {
+    /// Forgets the [`Command::Once`]s applied before `cutoff` (epoch ms of the
+    /// entry being applied, less the window): the same on every replica, as it goes
+    /// by entries' timestamps only.
+    fn forget_onces(&mut self, cutoff: i64, changes: &mut Changes) {
+        while let Some(&(ts, id)) = self.once_times.first() {
             if ts >= cutoff {
                 break;
             }
-            self.create_times.pop_first();
-            self.creates.remove(&id);
+            self.once_times.pop_first();
+            self.onces.remove(&id);
             changes.requests.insert(id);
         }
     }
@@ -1056,7 +1080,7 @@ impl Budget {
 pub struct Applied {
     pub replies: Vec<Result<Reply, BrokerError>>,
     pub effects: Vec<Effect>,
-    /// Creates answered with the jobs an earlier attempt made.
+    /// [`Command::Once`]s answered as an earlier attempt was.
     pub repeated: u32,
 }
 

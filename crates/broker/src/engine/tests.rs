@@ -129,9 +129,9 @@ fn create_assigns_partition_keys_and_announces_the_type() {
 }
 
 fn create_once(id: u128, jobs: usize) -> Command {
-    Command::CreateOnce {
+    Command::Once {
         request: RequestId(id),
-        jobs: vec![new_job("a"); jobs],
+        command: Box::new(Command::Create(vec![new_job("a"); jobs])),
     }
 }
 
@@ -149,11 +149,10 @@ fn a_create_sent_again_with_its_request_id_answers_the_first_keys_and_changes_no
     assert_eq!(changes.jobs, keys(&[k1, k2]).jobs);
     assert_eq!(changes.requests, requests(&[7]));
     assert_eq!(
-        s.create_record(RequestId(7)),
-        Some(&CreateRecord {
+        s.once_record(RequestId(7)),
+        Some(&OnceRecord {
             ts: T0,
-            first: 1,
-            count: 2
+            outcome: Outcome::Created { first: 1, count: 2 }
         })
     );
 
@@ -205,26 +204,26 @@ fn creates_are_remembered_for_the_window_then_forgotten_by_entry_time() {
     assert!(run(&mut s, T0, create_once(1, 1)).0.is_ok());
     assert!(run(&mut s, T0 + 10, create_once(2, 1)).0.is_ok());
     // The last moment the first is remembered: an entry of T0 + window.
-    let (reply, _, changes) = run(&mut s, T0 + CREATE_ONCE_WINDOW_MS, create_once(1, 1));
+    let (reply, _, changes) = run(&mut s, T0 + ONCE_WINDOW_MS, create_once(1, 1));
     assert_eq!(reply, Ok(Reply::Created(vec![JobKey::new(P, 1)])));
     assert!(changes.is_empty());
     // One ms later it is forgotten (and the change says so), the second is not.
     let (reply, _, changes) = run(
         &mut s,
-        T0 + CREATE_ONCE_WINDOW_MS + 1,
+        T0 + ONCE_WINDOW_MS + 1,
         Command::Cancel {
             key: JobKey::new(P, 2),
         },
     );
     assert_eq!(reply, Ok(Reply::Done));
     assert_eq!(changes.requests, requests(&[1]));
-    assert_eq!(s.create_record(RequestId(1)), None);
-    assert!(s.create_record(RequestId(2)).is_some());
+    assert_eq!(s.once_record(RequestId(1)), None);
+    assert!(s.once_record(RequestId(2)).is_some());
     // Sent after the window, the first would be created again: the gateway never
     // sends one that late.
-    let (reply, _, _) = run(&mut s, T0 + CREATE_ONCE_WINDOW_MS + 2, create_once(1, 1));
+    let (reply, _, _) = run(&mut s, T0 + ONCE_WINDOW_MS + 2, create_once(1, 1));
     assert_eq!(reply, Ok(Reply::Created(vec![JobKey::new(P, 3)])));
-    assert_eq!(s.creates().count(), 2);
+    assert_eq!(s.onces().count(), 2);
 }
 
 #[test]
@@ -232,29 +231,21 @@ fn a_state_rebuilt_with_its_creates_answers_a_create_sent_again_alike() {
     let mut s = State::new(P);
     assert!(run(&mut s, T0, create_once(5, 3)).0.is_ok());
     assert!(run(&mut s, T0 + 50, create_once(6, 1)).0.is_ok());
-    let mut rebuilt = State::from_parts(P, s.counters().clone(), s.jobs().cloned(), s.creates());
+    let mut rebuilt = State::from_parts(P, s.counters().clone(), s.jobs().cloned(), s.onces());
     for state in [&mut s, &mut rebuilt] {
-        let (reply, _, changes) = run(
-            &mut *state,
-            T0 + CREATE_ONCE_WINDOW_MS + 10,
-            create_once(5, 3),
-        );
+        let (reply, _, changes) = run(&mut *state, T0 + ONCE_WINDOW_MS + 10, create_once(5, 3));
         // Forgotten on both by the same entry, so both create it anew.
         assert_eq!(
             reply,
             Ok(Reply::Created((5..=7).map(|c| JobKey::new(P, c)).collect()))
         );
         assert_eq!(changes.requests, requests(&[5]));
-        let (reply, _, _) = run(
-            &mut *state,
-            T0 + CREATE_ONCE_WINDOW_MS + 20,
-            create_once(6, 1),
-        );
+        let (reply, _, _) = run(&mut *state, T0 + ONCE_WINDOW_MS + 20, create_once(6, 1));
         assert_eq!(reply, Ok(Reply::Created(vec![JobKey::new(P, 4)])));
     }
     assert_eq!(
-        s.creates().collect::<Vec<_>>(),
-        rebuilt.creates().collect::<Vec<_>>()
+        s.onces().collect::<Vec<_>>(),
+        rebuilt.onces().collect::<Vec<_>>()
     );
 }
 
@@ -461,6 +452,92 @@ fn fail_with_retries_and_no_backoff_is_runnable_at_once() {
     assert_eq!(j.status, JobStatus::Activatable { seq: 2 });
     assert_eq!(s.next_deadline(), None);
     assert_eq!(activate(&mut s, T0 + 6, "a", 1)[0].retries, 2);
+}
+
+fn once(id: u128, command: Command) -> Command {
+    Command::Once {
+        request: RequestId(id),
+        command: Box::new(command),
+    }
+}
+
+fn fail(key: JobKey, retries: i32) -> Command {
+    Command::Fail {
+        key,
+        retries,
+        error_message: "boom".into(),
+        retry_backoff_ms: 0,
+        variables: None,
+    }
+}
+
+/// A fail sent again after its first attempt was applied, and the job pushed to
+/// another worker at once, is answered as done and leaves that activation alone.
+#[test]
+fn a_fail_sent_again_leaves_the_jobs_next_activation_alone() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    activate(&mut s, T0, "a", 1);
+    let first = with_push(once(4, fail(k, 2)), vec![target("a", 1)]);
+    let (reply, effects, changes) = run_log(&mut s, T0 + 5, first.clone());
+    assert_eq!(reply, Ok(Reply::Done));
+    assert_eq!(pushes(&effects), vec![(k, 2)], "pushed again at once");
+    assert_eq!(changes.requests, requests(&[4]));
+    assert_eq!(
+        s.once_record(RequestId(4)).map(|r| r.outcome),
+        Some(Outcome::Done)
+    );
+
+    let (reply, effects, changes) = run_log(&mut s, T0 + 9, first);
+    assert_eq!(reply, Ok(Reply::Done));
+    assert!(effects.is_empty() && changes.is_empty());
+    let j = s.job(k).expect("job");
+    assert_eq!(j.retries, 2, "failed once");
+    assert!(
+        matches!(j.status, JobStatus::Activated { lease: 2, .. }),
+        "{:?}",
+        j.status
+    );
+
+    // Without the id, the same fail would have failed the new activation.
+    let (reply, _, _) = run(&mut s, T0 + 9, fail(k, 1));
+    assert_eq!(reply, Ok(Reply::Done));
+}
+
+/// A thrown error sent again is answered as done, where the plain command would be
+/// refused (the job is no longer activated); a first attempt that was refused is
+/// not remembered, and only creates, fails and thrown errors are carried out once.
+#[test]
+fn a_thrown_error_sent_again_is_done_and_refusals_are_not_remembered() {
+    let mut s = State::new(P);
+    let k = create(&mut s, "a");
+    let throw = once(
+        5,
+        Command::ThrowError {
+            key: k,
+            error_code: "E".into(),
+            error_message: "no".into(),
+            variables: None,
+        },
+    );
+    let (reply, _, changes) = run(&mut s, T0, throw.clone());
+    assert!(
+        matches!(reply, Err(BrokerError::FailedPrecondition(_))),
+        "{reply:?}"
+    );
+    assert!(changes.is_empty(), "a refusal is not remembered");
+    activate(&mut s, T0, "a", 1);
+    assert_eq!(run(&mut s, T0 + 1, throw.clone()).0, Ok(Reply::Done));
+    assert_eq!(run(&mut s, T0 + 2, throw).0, Ok(Reply::Done));
+    assert_eq!(status(&s, k), JobStatus::ErrorThrown);
+
+    let (reply, _, changes) = run(&mut s, T0 + 3, once(6, Command::Cancel { key: k }));
+    assert!(
+        matches!(reply, Err(BrokerError::InvalidArgument(_))),
+        "{reply:?}"
+    );
+    assert!(changes.is_empty());
+    assert!(s.job(k).is_some());
 }
 
 #[test]
@@ -772,7 +849,7 @@ fn state_rebuilt_from_its_jobs_has_the_same_indexes() {
         run(&mut s, T0, Command::Cancel { key: c }).0,
         Ok(Reply::Done)
     );
-    let rebuilt = State::from_parts(P, s.counters().clone(), s.jobs().cloned(), s.creates());
+    let rebuilt = State::from_parts(P, s.counters().clone(), s.jobs().cloned(), s.onces());
     assert_eq!(rebuilt.next_deadline(), s.next_deadline());
     assert_eq!(rebuilt.activatable_types(), s.activatable_types());
     assert_eq!(rebuilt.due_deadlines(i64::MAX, 10), vec![a]);

@@ -49,8 +49,9 @@ impl std::str::FromStr for Durability {
 
 /// The version of what a broker writes to its data directory (log entries, jobs,
 /// snapshots), kept in the directory's `FORMAT` file. 2: activations record the
-/// gateway and term of their push. 3: log entries may hold `CreateOnce`, and a
-/// partition stores the creates it remembers (a keyspace, and a snapshot's tail).
+/// gateway and term of their push. 3: log entries may hold `Command::Once`, and
+/// a partition stores the requests it remembers (a keyspace, and a snapshot's
+/// tail).
 pub const DATA_FORMAT: u32 = 3;
 
 /// The one earlier format this broker reads: 3 only adds to it, so such a directory

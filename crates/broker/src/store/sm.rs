@@ -4,7 +4,7 @@
 
 use super::durable::Durable;
 use super::{read_err, write_err, Db};
-use crate::engine::{Applied, Changes, Counters, CreateRecord, Job, State};
+use crate::engine::{Applied, Changes, Counters, Job, OnceRecord, State};
 use crate::raft::TypeConfig;
 use courier_proto::codec;
 use courier_proto::domain::{PartitionId, RequestId};
@@ -83,22 +83,23 @@ impl SharedState {
     }
 }
 
-/// The data of a snapshot: every job, the counters and the remembered creates.
-/// Encoded as its fields in order; a snapshot from before creates were remembered
-/// ends after the jobs, and reads as one with none.
+/// The data of a snapshot: every job, the counters and the remembered
+/// [`courier_proto::domain::Command::Once`]s. Encoded as its fields in order; a
+/// snapshot from before those were remembered ends after the jobs, and reads as one
+/// with none.
 struct SnapshotData {
     counters: Counters,
     jobs: Vec<Job>,
-    creates: Vec<(RequestId, CreateRecord)>,
+    onces: Vec<(RequestId, OnceRecord)>,
 }
 
 impl SnapshotData {
     fn decode(bytes: &[u8]) -> Result<SnapshotData, codec::CodecError> {
         let ((counters, jobs), rest): ((Counters, Vec<Job>), _) = codec::decode_prefix(bytes)?;
-        let creates = if rest.is_empty() {
+        let onces = if rest.is_empty() {
             Vec::new()
         } else {
-            codec::decode::<Vec<([u8; 16], CreateRecord)>>(rest)?
+            codec::decode::<Vec<([u8; 16], OnceRecord)>>(rest)?
                 .into_iter()
                 .map(|(id, r)| (RequestId(u128::from_be_bytes(id)), r))
                 .collect()
@@ -106,7 +107,7 @@ impl SnapshotData {
         Ok(SnapshotData {
             counters,
             jobs,
-            creates,
+            onces,
         })
     }
 }
@@ -151,7 +152,7 @@ pub struct StateMachine {
     db: Db,
     jobs: Keyspace,
     meta: Keyspace,
-    /// Remembered creates ([`CreateRecord`]) by request id.
+    /// Records of applied [`courier_proto::domain::Command::Once`]s by request id.
     requests: Keyspace,
     shared: Arc<SharedState>,
     snapshot: Arc<Mutex<Option<StoredSnapshot>>>,
@@ -195,16 +196,16 @@ impl StateMachine {
             let (_, v) = g.into_inner().map_err(read_err)?;
             loaded.push(codec::decode::<Job>(&v).map_err(read_err)?);
         }
-        let mut creates = Vec::new();
+        let mut onces = Vec::new();
         for g in requests.iter() {
             let (k, v) = g.into_inner().map_err(read_err)?;
-            creates.push((request_id(&k)?, codec::decode(&v).map_err(read_err)?));
+            onces.push((request_id(&k)?, codec::decode(&v).map_err(read_err)?));
         }
         // Seconds with millions of open jobs: say what the broker was doing.
         tracing::info!(
             partition = partition.0,
             jobs = loaded.len(),
-            creates = creates.len(),
+            onces = onces.len(),
             took = ?started.elapsed(),
             "partition state loaded"
         );
@@ -217,7 +218,7 @@ impl StateMachine {
             meta,
             requests,
             shared: Arc::new(SharedState::new(AppliedState {
-                state: State::from_parts(partition, counters, loaded, creates),
+                state: State::from_parts(partition, counters, loaded, onces),
                 last_applied,
                 membership,
             })),
@@ -232,8 +233,8 @@ impl StateMachine {
         self.shared.clone()
     }
 
-    /// Writes the changed jobs and create records, the counters and last-applied in
-    /// one atomic batch.
+    /// Writes the changed jobs and records, the counters and last-applied in one
+    /// atomic batch.
     fn persist(&self, a: &AppliedState, changes: &Changes) -> Result<(), StorageError<NodeId>> {
         let mut batch = self.db.database().batch();
         for key in &changes.jobs {
@@ -245,7 +246,7 @@ impl StateMachine {
         }
         for id in &changes.requests {
             let k = id.0.to_be_bytes();
-            match a.state.create_record(*id) {
+            match a.state.once_record(*id) {
                 Some(r) => batch.insert(&self.requests, k, codec::to_vec(r).map_err(write_err)?),
                 None => batch.remove(&self.requests, k),
             }
@@ -275,7 +276,7 @@ impl StateMachine {
 fn request_id(key: &[u8]) -> Result<RequestId, StorageError<NodeId>> {
     let bytes: [u8; 16] = key.try_into().map_err(|_| {
         read_err(std::io::Error::other(format!(
-            "a stored create's key has {} bytes, not 16",
+            "a stored request id has {} bytes, not 16",
             key.len()
         )))
     })?;
@@ -419,14 +420,14 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             for g in self.requests.iter() {
                 batch.remove(&self.requests, g.key().map_err(read_err)?);
             }
-            for (id, record) in &data.creates {
+            for (id, record) in &data.onces {
                 batch.insert(
                     &self.requests,
                     id.0.to_be_bytes(),
                     codec::to_vec(record).map_err(write_err)?,
                 );
             }
-            a.state = State::from_parts(partition, data.counters, data.jobs, data.creates);
+            a.state = State::from_parts(partition, data.counters, data.jobs, data.onces);
             a.last_applied = meta.last_log_id;
             a.membership = meta.last_membership.clone();
             self.put_meta(&mut batch, &a)?;
@@ -513,14 +514,14 @@ fn build(
         .iter(jobs)
         .map(|g| g.value().map_err(read_err))
         .collect::<Result<Vec<_>, _>>()?;
-    let creates = view
+    let onces = view
         .iter(requests)
         .map(|g| g.into_inner().map_err(read_err))
         .collect::<Result<Vec<_>, _>>()?;
     let data = join_snapshot(
         &counters,
         stored_jobs.iter().map(|v| &v[..]),
-        creates.iter().map(|(k, v)| (&k[..], &v[..])),
+        onces.iter().map(|(k, v)| (&k[..], &v[..])),
     )
     .map_err(write_err)?;
     let reading = started.elapsed();
@@ -542,7 +543,7 @@ fn build(
     crate::metrics::SNAPSHOT_SECONDS.observe(took.as_secs_f64());
     tracing::debug!(
         jobs = stored_jobs.len(),
-        creates = creates.len(),
+        onces = onces.len(),
         bytes = stored.data.len(),
         ?reading,
         ?took,
@@ -557,32 +558,29 @@ fn build(
 }
 
 /// The encoded [`SnapshotData`] made of the stored encodings of the counters, the
-/// jobs and the creates (key and value) as they are: postcard writes a struct as
+/// jobs and the records (key and value) as they are: postcard writes a struct as
 /// its fields in order, a sequence as its length (a varint, like a u64) followed
 /// by its elements, and a byte array (the 16-byte key) as its bytes.
 pub fn join_snapshot<'a>(
     counters: &[u8],
     jobs: impl ExactSizeIterator<Item = &'a [u8]> + Clone,
-    creates: impl ExactSizeIterator<Item = (&'a [u8], &'a [u8])> + Clone,
+    onces: impl ExactSizeIterator<Item = (&'a [u8], &'a [u8])> + Clone,
 ) -> Result<Vec<u8>, codec::CodecError> {
     let job_count = codec::to_vec(&(jobs.len() as u64))?;
-    let create_count = codec::to_vec(&(creates.len() as u64))?;
+    let once_count = codec::to_vec(&(onces.len() as u64))?;
     let size = counters.len()
         + job_count.len()
         + jobs.clone().map(<[u8]>::len).sum::<usize>()
-        + create_count.len()
-        + creates
-            .clone()
-            .map(|(k, v)| k.len() + v.len())
-            .sum::<usize>();
+        + once_count.len()
+        + onces.clone().map(|(k, v)| k.len() + v.len()).sum::<usize>();
     let mut data = Vec::with_capacity(size);
     data.extend_from_slice(counters);
     data.extend_from_slice(&job_count);
     for v in jobs {
         data.extend_from_slice(v);
     }
-    data.extend_from_slice(&create_count);
-    for (k, v) in creates {
+    data.extend_from_slice(&once_count);
+    for (k, v) in onces {
         data.extend_from_slice(k);
         data.extend_from_slice(v);
     }
@@ -655,22 +653,23 @@ mod tests {
     }
 
     fn create_once(id: u128, jobs: usize) -> Command {
-        Command::CreateOnce {
+        Command::Once {
             request: RequestId(id),
-            jobs: vec![job(); jobs],
+            command: Box::new(Command::Create(vec![job(); jobs])),
         }
     }
 
-    fn creates(sm: &StateMachine) -> Vec<(RequestId, CreateRecord)> {
-        sm.shared().read().state.creates().collect()
+    fn onces(sm: &StateMachine) -> Vec<(RequestId, OnceRecord)> {
+        sm.shared().read().state.onces().collect()
     }
 
-    /// What a partition remembers of its creates is stored with its jobs, read back
-    /// on restart, carried by its snapshots and installed from them; what it forgets
+    /// What a partition remembers of its once-only commands is stored with its
+    /// jobs, read back on restart, carried by its snapshots and installed from
+    /// them; what it forgets
     /// is deleted.
     #[tokio::test]
-    async fn remembered_creates_survive_restarts_and_travel_in_snapshots() {
-        use courier_proto::domain::CREATE_ONCE_WINDOW_MS;
+    async fn remembered_requests_survive_restarts_and_travel_in_snapshots() {
+        use courier_proto::domain::ONCE_WINDOW_MS;
         let dir = tempfile::tempdir().unwrap();
         let db = Db::open(&dir.path().join("a"), Durability::Fsync).unwrap();
         let snaps = dir.path().join("snaps-a");
@@ -682,7 +681,7 @@ mod tests {
         ])
         .await
         .unwrap();
-        let remembered = creates(&sm);
+        let remembered = onces(&sm);
         assert_eq!(remembered.len(), 2);
         let snap = sm
             .get_snapshot_builder()
@@ -692,7 +691,7 @@ mod tests {
             .unwrap();
         drop(sm);
         let mut sm = StateMachine::open(&db, PartitionId(1), snaps.clone()).unwrap();
-        assert_eq!(creates(&sm), remembered, "read back on restart");
+        assert_eq!(onces(&sm), remembered, "read back on restart");
         let again = sm
             .apply([entry(3, t0 + 10, create_once(10, 2))])
             .await
@@ -708,7 +707,7 @@ mod tests {
 
         // Installed on a replica that had none: remembered there, and stored.
         let data = SnapshotData::decode(snap.snapshot.get_ref()).unwrap();
-        assert_eq!(data.creates, remembered);
+        assert_eq!(data.onces, remembered);
         let other_db = Db::open(&dir.path().join("b"), Durability::Fsync).unwrap();
         let other_snaps = dir.path().join("snaps-b");
         let mut other = StateMachine::open(&other_db, PartitionId(1), other_snaps.clone()).unwrap();
@@ -720,31 +719,28 @@ mod tests {
             .install_snapshot(&snap.meta, snap.snapshot.clone())
             .await
             .unwrap();
-        assert_eq!(creates(&other), remembered);
+        assert_eq!(onces(&other), remembered);
         drop(other);
         let other = StateMachine::open(&other_db, PartitionId(1), other_snaps).unwrap();
-        assert_eq!(creates(&other), remembered, "stored by the install");
+        assert_eq!(onces(&other), remembered, "stored by the install");
 
         // Forgotten once an entry is past the window, and deleted from the store.
-        sm.apply([entry(4, t0 + 6 + CREATE_ONCE_WINDOW_MS, create_once(12, 1))])
+        sm.apply([entry(4, t0 + 6 + ONCE_WINDOW_MS, create_once(12, 1))])
             .await
             .unwrap();
         assert_eq!(
-            creates(&sm)
-                .into_iter()
-                .map(|(id, _)| id)
-                .collect::<Vec<_>>(),
+            onces(&sm).into_iter().map(|(id, _)| id).collect::<Vec<_>>(),
             vec![RequestId(12)]
         );
         drop(sm);
         let sm = StateMachine::open(&db, PartitionId(1), snaps).unwrap();
-        assert_eq!(creates(&sm).len(), 1);
+        assert_eq!(onces(&sm).len(), 1);
     }
 
-    /// A snapshot from before creates were remembered (counters and jobs only) is
+    /// A snapshot from before requests were remembered (counters and jobs only) is
     /// read as one that remembers none.
     #[test]
-    fn a_snapshot_without_creates_reads_as_one_with_none() {
+    fn a_snapshot_without_requests_reads_as_one_with_none() {
         let mut state = State::new(PartitionId(1));
         let mut changes = Changes::new();
         if let EntryPayload::Normal(batch) = create(1, 2).payload {
@@ -754,7 +750,7 @@ mod tests {
         let old = codec::to_vec(&(state.counters().clone(), jobs.clone())).unwrap();
         let data = SnapshotData::decode(&old).unwrap();
         assert_eq!(
-            (data.counters, data.jobs, data.creates),
+            (data.counters, data.jobs, data.onces),
             (state.counters().clone(), jobs, vec![])
         );
         assert!(
