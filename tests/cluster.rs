@@ -1704,6 +1704,38 @@ async fn a_fail_sent_again_after_its_leader_died_succeeds_and_fails_the_job_once
     );
 }
 
+/// An activation sent again after its leader died with the answer: the poll gets
+/// the job the first attempt activated, instead of waiting while that job sits out
+/// its activation timeout (60 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_activation_sent_again_after_its_leader_died_gets_its_jobs() {
+    let _g = serial().await;
+    let (mut cluster, c) = slow_electing_cluster("once-poll").await;
+    let key = c
+        .create_job(NewJob::new("once-poll"))
+        .await
+        .expect("create")
+        .key;
+    let activate = {
+        let c = c.clone();
+        async move {
+            c.activate_jobs(poll("once-poll", 5).request_timeout(Duration::from_secs(15)))
+                .await
+        }
+    };
+    let started = Instant::now();
+    let jobs = sent_as_its_leader_dies(&mut cluster, activate)
+        .await
+        .expect("the poll is answered");
+    assert_eq!(
+        jobs.iter().map(|j| j.key).collect::<Vec<_>>(),
+        vec![key],
+        "after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(cluster.broker_metric(REPEATED).await, 1.0);
+}
+
 /// A create sent to a leader that then stops answering (here frozen) may have been
 /// applied there, so the gateway cannot move it to another partition: it waits out
 /// the failover and sends it to the partition's next leader, instead of giving up

@@ -363,13 +363,13 @@ pub static BACKFILLED: LazyLock<IntCounter> = LazyLock::new(|| {
     )))
 });
 
-/// Creates, fails and thrown errors sent again (a gateway's resend after a
-/// failover lost the first answer) that a partition answered as it did the first
-/// attempt, instead of carrying them out again.
+/// Creates, activations, fails and thrown errors sent again (a gateway's resend
+/// after a failover lost the first answer) that a partition answered as it did the
+/// first attempt, instead of carrying them out again.
 pub static REPEATS: LazyLock<IntCounter> = LazyLock::new(|| {
     register(built(IntCounter::new(
         "courier_broker_repeated_commands_total",
-        "Creates, fails and thrown errors sent again after a failover, answered as their first attempt was instead of carried out again",
+        "Creates, activations, fails and thrown errors sent again after a failover, answered as their first attempt was instead of carried out again",
     )))
 });
 

@@ -580,7 +580,7 @@ impl Partition {
         gateway: Option<Arc<str>>,
     ) -> Result<Reply, BrokerError> {
         // A poll's jobs are recorded with the gateway they go out through.
-        let via = matches!(cmd, Command::Activate { .. })
+        let via = matches!(cmd.inner(), Command::Activate { .. })
             .then(|| gateway.as_deref().map(str::to_string))
             .flatten();
         let ends_from = match (cmd.inner(), gateway) {
@@ -592,7 +592,10 @@ impl Partition {
             ) => Some((*key, g)),
             _ => None,
         };
-        let _claim = match &cmd {
+        let _claim = match cmd.inner() {
+            // A repeat of an activation whose first attempt was applied is answered
+            // with that attempt's jobs (in the log, whatever is activatable now).
+            Command::Activate { .. } if self.repeats_applied(&cmd) => None,
             Command::Activate { props, max_jobs } => {
                 match self.claim_activation(props, *max_jobs) {
                     Ok(claim) => Some(claim),
@@ -609,6 +612,16 @@ impl Partition {
         let push = self.push_targets(&cmd);
         self.propose_from(LogCommand::Client { cmd, push, via }, ends_from)
             .await
+    }
+
+    /// Whether `cmd` is a [`Command::Once`] whose request this replica has applied.
+    fn repeats_applied(&self, cmd: &Command) -> bool {
+        match cmd {
+            Command::Once { request, .. } => {
+                self.shared.read().state.once_record(*request).is_some()
+            }
+            _ => false,
+        }
     }
 
     /// Claims the jobs an Activate may take before it is proposed, or says why it

@@ -105,9 +105,9 @@ impl RoundRobin {
     }
 }
 
-/// Draws the ids that make a create, a fail or a thrown error happen once however
-/// often it is sent ([`Command::Once`]): a random prefix per gateway process, then
-/// a counter.
+/// Draws the ids that make a create, an activation, a fail or a thrown error
+/// happen once however often it is sent ([`Command::Once`]): a random prefix per
+/// gateway process, then a counter.
 #[derive(Debug)]
 pub struct RequestIds {
     prefix: u64,
@@ -356,14 +356,21 @@ impl Shared {
             if remaining == 0 || !over.is_empty() {
                 break;
             }
-            let request = Request::Command(Command::Activate {
-                props: props.clone(),
-                max_jobs: remaining,
+            // Once only: sent again after a failover lost the answer of an attempt
+            // that was applied, it gets that attempt's jobs, which would otherwise
+            // sit out their activation timeout.
+            let request = Request::Command(Command::Once {
+                request: self.request_ids.next(),
+                command: Box::new(Command::Activate {
+                    props: props.clone(),
+                    max_jobs: remaining,
+                }),
             });
-            let retry_until = instant_after(VISIT_RETRY_BUDGET).min(deadline);
+            let visit_end = deadline.min(resend_limit());
+            let retry_until = instant_after(VISIT_RETRY_BUDGET).min(visit_end);
             match self
                 .router
-                .execute_until(partition, &request, retry_until, deadline)
+                .execute_until(partition, &request, retry_until, visit_end)
                 .await
             {
                 Ok(Reply::Activated(batch)) => {

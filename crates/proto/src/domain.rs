@@ -225,13 +225,15 @@ pub enum Command {
     Cancel {
         key: JobKey,
     },
-    /// `command` (a create, a fail or a thrown error), carried out once per
-    /// `request`: a command with the id of one applied within [`ONCE_WINDOW_MS`]
-    /// before it changes nothing and answers as that one did (a create with the
-    /// keys it made). A gateway sends those commands of its clients this way, so
+    /// `command` (a create, an activation, a fail or a thrown error), carried out
+    /// once per `request`: a command with the id of one applied within
+    /// [`ONCE_WINDOW_MS`] before it changes nothing and answers as that one did (a
+    /// create with the keys it made, an activation with the jobs it activated that
+    /// it still holds). A gateway sends those commands of its clients this way, so
     /// one sent again to a new leader, after the answer of an attempt that was
-    /// applied got lost, neither creates the jobs twice nor fails the job's next
-    /// activation. Last of the variants: entries written before it read the same.
+    /// applied got lost, neither creates the jobs twice, nor leaves activated jobs
+    /// to their timeout, nor fails the job's next activation. Last of the
+    /// variants: entries written before it read the same.
     Once {
         request: RequestId,
         command: Box<Command>,

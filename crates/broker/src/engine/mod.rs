@@ -288,7 +288,7 @@ impl Changes {
 
 /// What a partition remembers of an applied [`Command::Once`]: when, and how it
 /// went.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OnceRecord {
     /// The entry's timestamp (epoch ms).
     pub ts: i64,
@@ -296,7 +296,7 @@ pub struct OnceRecord {
 }
 
 /// How a [`Command::Once`] went: what a repeat of it is answered.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Outcome {
     /// Jobs created with consecutive keys (one command's jobs take the next
     /// counters in turn): the counter of the first, and how many.
@@ -305,19 +305,10 @@ pub enum Outcome {
         count: u32,
     },
     Done,
-}
-
-impl Outcome {
-    fn reply(&self, partition: PartitionId) -> Reply {
-        match *self {
-            Outcome::Created { first, count } => Reply::Created(
-                (0..u64::from(count))
-                    .map(|i| JobKey::new(partition, first + i))
-                    .collect(),
-            ),
-            Outcome::Done => Reply::Done,
-        }
-    }
+    /// Jobs activated, with the lease of each activation.
+    Activated {
+        jobs: Vec<(JobKey, u64)>,
+    },
 }
 
 /// A partition's state: the jobs and the indexes derived from them.
@@ -401,7 +392,7 @@ impl State {
 
     /// The remembered [`Command::Once`]s, by request id.
     pub fn onces(&self) -> impl Iterator<Item = (RequestId, OnceRecord)> + '_ {
-        self.onces.iter().map(|(id, r)| (*id, *r))
+        self.onces.iter().map(|(id, r)| (*id, r.clone()))
     }
 
     /// The earliest activation deadline, if any job is activated.
@@ -644,15 +635,20 @@ impl State {
             Command::Once { request, command } => {
                 if let Some(done) = self.onces.get(request) {
                     // An earlier attempt of this request was applied: its answer,
-                    // whatever became of the jobs since.
-                    return Ok(done.outcome.reply(self.partition));
+                    // as far as its jobs are still where it left them.
+                    return Ok(self.answer_again(&done.outcome, command));
                 }
                 if !matches!(
                     **command,
-                    Command::Create(_) | Command::Fail { .. } | Command::ThrowError { .. }
+                    Command::Create(_)
+                        | Command::Activate { .. }
+                        | Command::Fail { .. }
+                        | Command::ThrowError { .. }
                 ) {
                     return Err(BrokerError::InvalidArgument(
-                        "only a create, a fail or a thrown error is carried out once".into(),
+                        "only a create, an activation, a fail or a thrown error is carried \
+                         out once"
+                            .into(),
                     ));
                 }
                 let first = self.counters.last_key + 1;
@@ -661,6 +657,9 @@ impl State {
                     Reply::Created(keys) => Outcome::Created {
                         first,
                         count: u32::try_from(keys.len()).unwrap_or(u32::MAX),
+                    },
+                    Reply::Activated(jobs) => Outcome::Activated {
+                        jobs: jobs.iter().map(|j| (j.key, self.lease_of(j.key))).collect(),
                     },
                     _ => Outcome::Done,
                 };
@@ -803,6 +802,51 @@ impl State {
         key
     }
 
+    /// The answer to a repeat of a [`Command::Once`] (`command`, the one it
+    /// wraps) that went as `outcome` said. Activated jobs are given again while
+    /// that activation holds them (not completed, failed or timed out since), as
+    /// the first answer gave them.
+    fn answer_again(&self, outcome: &Outcome, command: &Command) -> Reply {
+        match outcome {
+            Outcome::Created { first, count } => Reply::Created(
+                (0..u64::from(*count))
+                    .map(|i| JobKey::new(self.partition, first + i))
+                    .collect(),
+            ),
+            Outcome::Done => Reply::Done,
+            Outcome::Activated { jobs } => {
+                let Command::Activate { props, .. } = command else {
+                    return Reply::Activated(Vec::new());
+                };
+                Reply::Activated(
+                    jobs.iter()
+                        .filter_map(|(key, lease)| self.still_activated(*key, *lease, props))
+                        .collect(),
+                )
+            }
+        }
+    }
+
+    /// Job `key` as activated for `props`, if activation `lease` still holds it.
+    fn still_activated(
+        &self,
+        key: JobKey,
+        lease: u64,
+        props: &ActivationProps,
+    ) -> Option<ActivatedJob> {
+        let job = self.jobs.get(&key)?;
+        let JobStatus::Activated {
+            worker,
+            deadline,
+            lease: current,
+            ..
+        } = &job.status
+        else {
+            return None;
+        };
+        (*current == lease).then(|| handed_out(job, worker, *deadline, props))
+    }
+
     /// Forgets the [`Command::Once`]s applied before `cutoff` (epoch ms of the
     /// entry being applied, less the window): the same on every replica, as it goes
     /// by entries' timestamps only.
@@ -859,17 +903,7 @@ impl State {
             lease,
             via,
         };
-        let activated = ActivatedJob {
-            key,
-            job_type: job.job_type.clone(),
-            worker: props.worker.clone(),
-            retries: job.retries,
-            deadline,
-            variables: filter_variables(&job.variables, &props.fetch_variables),
-            custom_headers: job.custom_headers.clone(),
-            tenant_id: job.tenant_id.clone(),
-            process: job.process.clone(),
-        };
+        let activated = handed_out(job, &props.worker, deadline, props);
         self.reindex(key);
         changes.jobs.insert(key);
         Some(activated)
@@ -1104,6 +1138,21 @@ fn precondition(key: JobKey, action: &str, status: &JobStatus) -> BrokerError {
 }
 
 /// Keeps only the variables a worker asked for; all of them when it named none.
+/// `job` as an activation for `props` hands it out.
+fn handed_out(job: &Job, worker: &str, deadline: i64, props: &ActivationProps) -> ActivatedJob {
+    ActivatedJob {
+        key: job.key,
+        job_type: job.job_type.clone(),
+        worker: worker.to_string(),
+        retries: job.retries,
+        deadline,
+        variables: filter_variables(&job.variables, &props.fetch_variables),
+        custom_headers: job.custom_headers.clone(),
+        tenant_id: job.tenant_id.clone(),
+        process: job.process.clone(),
+    }
+}
+
 fn filter_variables(doc: &str, fetch: &[String]) -> String {
     if fetch.is_empty() {
         return doc.to_string();

@@ -484,7 +484,7 @@ fn a_fail_sent_again_leaves_the_jobs_next_activation_alone() {
     assert_eq!(pushes(&effects), vec![(k, 2)], "pushed again at once");
     assert_eq!(changes.requests, requests(&[4]));
     assert_eq!(
-        s.once_record(RequestId(4)).map(|r| r.outcome),
+        s.once_record(RequestId(4)).map(|r| r.outcome.clone()),
         Some(Outcome::Done)
     );
 
@@ -504,9 +504,76 @@ fn a_fail_sent_again_leaves_the_jobs_next_activation_alone() {
     assert_eq!(reply, Ok(Reply::Done));
 }
 
+/// An activation sent again after its first attempt was applied is answered with
+/// the jobs that attempt activated, as far as it still holds them, and activates
+/// nothing more.
+#[test]
+fn an_activation_sent_again_gives_the_jobs_it_still_holds() {
+    let mut s = State::new(P);
+    let (k1, k2, k3) = (
+        create(&mut s, "a"),
+        create(&mut s, "a"),
+        create(&mut s, "a"),
+    );
+    let mut p = props("a", 5_000);
+    p.fetch_variables = vec!["b".into()];
+    let poll = once(
+        9,
+        Command::Activate {
+            props: p,
+            max_jobs: 2,
+        },
+    );
+    let (reply, _, changes) = run(&mut s, T0, poll.clone());
+    let Ok(Reply::Activated(first)) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(
+        first.iter().map(|j| j.key).collect::<Vec<_>>(),
+        vec![k1, k2]
+    );
+    assert_eq!(changes.requests, requests(&[9]));
+    assert_eq!(
+        s.once_record(RequestId(9)).map(|r| r.outcome.clone()),
+        Some(Outcome::Activated {
+            jobs: vec![(k1, 1), (k2, 2)]
+        })
+    );
+
+    // Sent again: the same jobs, exactly as first given, and nothing else.
+    let (reply, effects, changes) = run(&mut s, T0 + 100, poll.clone());
+    assert_eq!(reply, Ok(Reply::Activated(first.clone())));
+    assert!(effects.is_empty() && changes.is_empty());
+    assert_eq!(status(&s, k3), JobStatus::Activatable { seq: 3 });
+
+    // k1 completed, k2 timed out and activated again by another poll: neither
+    // is the first attempt's to give any more.
+    let complete = Command::Complete {
+        key: k1,
+        variables: None,
+    };
+    assert_eq!(run(&mut s, T0 + 200, complete).0, Ok(Reply::Done));
+    let (reply, _, _) = run(&mut s, T0 + 300, poll.clone());
+    assert_eq!(reply, Ok(Reply::Activated(vec![first[1].clone()])));
+    let timeout = LogCommand::TimeOut {
+        keys: vec![k2],
+        push: vec![],
+    };
+    assert_eq!(run_log(&mut s, T0 + 5_000, timeout).0, Ok(Reply::Done));
+    let again: Vec<JobKey> = activate(&mut s, T0 + 5_001, "a", 2)
+        .iter()
+        .map(|j| j.key)
+        .collect();
+    assert_eq!(again, vec![k3, k2]);
+    assert_eq!(
+        run(&mut s, T0 + 5_002, poll).0,
+        Ok(Reply::Activated(vec![]))
+    );
+}
+
 /// A thrown error sent again is answered as done, where the plain command would be
 /// refused (the job is no longer activated); a first attempt that was refused is
-/// not remembered, and only creates, fails and thrown errors are carried out once.
+/// not remembered, and a cancel is not carried out once.
 #[test]
 fn a_thrown_error_sent_again_is_done_and_refusals_are_not_remembered() {
     let mut s = State::new(P);
