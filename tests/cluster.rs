@@ -1651,6 +1651,16 @@ async fn a_create_sent_again_after_its_leader_died_creates_one_job() {
     let job = sent_as_its_leader_dies(&mut cluster, create)
         .await
         .expect("the create succeeds on the next leader");
+    // Both replicas left hold the one job, and remember the create (and maybe
+    // activations of the polls that waited for the leaders).
+    wait_until(Duration::from_secs(10), "the replicas' gauges", || async {
+        cluster.broker_metric("courier_broker_partition_jobs").await == 2.0
+            && cluster
+                .broker_metric("courier_broker_partition_remembered_requests")
+                .await
+                >= 2.0
+    })
+    .await;
     let jobs = c
         .activate_jobs(poll("once", 10).request_timeout(Duration::from_secs(1)))
         .await

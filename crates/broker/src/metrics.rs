@@ -412,6 +412,8 @@ pub static CREATE_TO_PUSH: LazyLock<Histogram> = LazyLock::new(|| {
 pub struct Positions {
     log: IntGaugeVec,
     applied: IntGaugeVec,
+    jobs: IntGaugeVec,
+    remembered: IntGaugeVec,
     /// The replicas, with their labels; one that is gone is dropped at the next scrape.
     replicas: Arc<Mutex<Vec<Tracked>>>,
 }
@@ -434,6 +436,8 @@ impl Collector for Positions {
     fn desc(&self) -> Vec<&prometheus::core::Desc> {
         let mut d = self.log.desc();
         d.extend(self.applied.desc());
+        d.extend(self.jobs.desc());
+        d.extend(self.remembered.desc());
         d
     }
 
@@ -442,10 +446,17 @@ impl Collector for Positions {
         replicas.retain(|(replica, labels)| {
             let labels = [labels[0].as_str(), labels[1].as_str()];
             let Some(p) = replica.upgrade() else {
-                let _ = self.log.remove_label_values(&labels);
-                let _ = self.applied.remove_label_values(&labels);
+                for g in [&self.log, &self.applied, &self.jobs, &self.remembered] {
+                    let _ = g.remove_label_values(&labels);
+                }
                 return false;
             };
+            let (jobs, remembered) = p.held();
+            let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+            self.jobs.with_label_values(&labels).set(count(jobs));
+            self.remembered
+                .with_label_values(&labels)
+                .set(count(remembered));
             let m = p.raft.metrics();
             let m = m.borrow();
             let index = |i: u64| i64::try_from(i).unwrap_or(i64::MAX);
@@ -459,6 +470,8 @@ impl Collector for Positions {
         });
         let mut out = self.log.collect();
         out.extend(self.applied.collect());
+        out.extend(self.jobs.collect());
+        out.extend(self.remembered.collect());
         out
     }
 }
@@ -478,6 +491,14 @@ pub static POSITIONS: LazyLock<Positions> = LazyLock::new(|| {
         applied: gauge(
             "courier_broker_partition_applied_index",
             "The last log index this replica of the partition has applied: a follower behind its leader's shows how far it lags",
+        ),
+        jobs: gauge(
+            "courier_broker_partition_jobs",
+            "Jobs this replica of the partition holds, in any state (completed and canceled ones are gone)",
+        ),
+        remembered: gauge(
+            "courier_broker_partition_remembered_requests",
+            "Request ids of creates, activations, fails and thrown errors this replica remembers (2 minutes each), so that one sent again is not carried out twice",
         ),
         replicas: Arc::default(),
     })
@@ -519,6 +540,11 @@ mod tests {
             .applied
             .with_label_values(&["7", "1"])
             .set(10);
+        super::POSITIONS.jobs.with_label_values(&["7", "1"]).set(3);
+        super::POSITIONS
+            .remembered
+            .with_label_values(&["7", "1"])
+            .set(2);
         let names: Vec<String> = prometheus::gather()
             .iter()
             .map(|f| f.name().to_string())
@@ -530,6 +556,8 @@ mod tests {
             "courier_broker_raft_commit_news_deferred_total",
             "courier_broker_partition_log_index",
             "courier_broker_partition_applied_index",
+            "courier_broker_partition_jobs",
+            "courier_broker_partition_remembered_requests",
             "courier_broker_partition_leader",
             "courier_broker_pushed_jobs_active",
             "courier_broker_peers_unreachable",

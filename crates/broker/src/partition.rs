@@ -827,6 +827,12 @@ impl Partition {
         (m.state == ServerState::Leader).then(|| m.vote.leader_id().term)
     }
 
+    /// The jobs this replica holds, and the request ids it remembers.
+    pub fn held(&self) -> (usize, usize) {
+        let applied = self.shared.read();
+        (applied.state.job_count(), applied.state.once_count())
+    }
+
     /// Whether this replica leads its partition now.
     pub fn is_leader(&self) -> bool {
         // The server metrics change with role and leader only; the full metrics

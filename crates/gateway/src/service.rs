@@ -223,6 +223,7 @@ impl Shared {
     }
 
     /// Runs a command that answers `Done` on the job's partition.
+    ///
     /// A fail or a thrown error is sent as a [`Command::Once`], for at most
     /// [`RESEND_FOR_MS`]: sent again after a failover that lost the answer of an
     /// attempt that was applied, it is answered as that attempt was, instead of

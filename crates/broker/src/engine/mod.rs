@@ -390,6 +390,11 @@ impl State {
         self.onces.get(&id)
     }
 
+    /// How many [`Command::Once`]s are remembered.
+    pub fn once_count(&self) -> usize {
+        self.onces.len()
+    }
+
     /// The remembered [`Command::Once`]s, by request id.
     pub fn onces(&self) -> impl Iterator<Item = (RequestId, OnceRecord)> + '_ {
         self.onces.iter().map(|(id, r)| (*id, r.clone()))
