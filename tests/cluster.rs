@@ -1746,6 +1746,61 @@ async fn an_activation_sent_again_after_its_leader_died_gets_its_jobs() {
     assert_eq!(cluster.broker_metric(REPEATED).await, 1.0);
 }
 
+/// A poll whose client gives up (its deadline passes) before its Activate is
+/// committed: the gateway waits for the Activate's answer all the same and gives
+/// the job back, so it does not sit out its activation timeout (60 s here). The
+/// followers are frozen while the poll is on, so the commit comes after the
+/// client's deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_whose_client_gave_up_before_the_commit_strands_no_job() {
+    use courier_proto::gateway_protocol::{gateway_client::GatewayClient, ActivateJobsRequest};
+    let _g = serial().await;
+    let (cluster, c) = one_partition_cluster("hasty").await;
+    let key = c
+        .create_job(NewJob::new("hasty"))
+        .await
+        .expect("create")
+        .key;
+    let mut raw = GatewayClient::connect(format!("http://{}", cluster.gateway_addr))
+        .await
+        .expect("connect");
+    let leader = cluster.leaders().await[&1];
+    let followers: Vec<u64> = (1..=3).filter(|b| *b != leader).collect();
+    for f in &followers {
+        cluster.freeze_broker(*f, true);
+    }
+    let mut request = tonic::Request::new(ActivateJobsRequest {
+        r#type: "hasty".into(),
+        worker: "hasty".into(),
+        timeout: 60_000,
+        max_jobs_to_activate: 1,
+        request_timeout: 10_000,
+        ..Default::default()
+    });
+    let patience = Duration::from_millis(300);
+    request.set_timeout(patience);
+    // The client's side of its deadline, as gRPC clients keep it: the call is
+    // dropped (its stream reset) when it passes.
+    let call = async {
+        let mut answers = raw.activate_jobs(request).await?.into_inner();
+        answers.message().await
+    };
+    let early = tokio::time::timeout(patience, call).await;
+    assert!(
+        !matches!(&early, Ok(Ok(Some(a))) if !a.jobs.is_empty()),
+        "no commit without the followers: {early:?}"
+    );
+    for f in &followers {
+        cluster.freeze_broker(*f, false);
+    }
+    let jobs = c
+        .activate_jobs(poll("hasty", 1).request_timeout(Duration::from_secs(5)))
+        .await
+        .expect("poll");
+    let keys: Vec<i64> = jobs.iter().map(|j| j.key).collect();
+    assert_eq!(keys, vec![key], "given back once its activation committed");
+}
+
 /// A create sent to a leader that then stops answering (here frozen) may have been
 /// applied there, so the gateway cannot move it to another partition: it waits out
 /// the failover and sends it to the partition's next leader, instead of giving up

@@ -30,6 +30,12 @@ use tracing::Instrument;
 /// enough to follow a NotLeader hint, short enough that one sick partition does not
 /// hold up the others.
 const VISIT_RETRY_BUDGET: Duration = Duration::from_millis(300);
+
+/// How long a poll's visit waits for the answer of an Activate it sent, however
+/// soon its client's deadline: jobs activated for a client that has given up are
+/// given back then, where an answer not waited for would leave them activated for
+/// nobody until their timeout.
+const ACTIVATE_SETTLE: Duration = Duration::from_secs(2);
 /// How long CreateJob waits for one partition's leader before trying the next one.
 const CREATE_HOP_AFTER: Duration = Duration::from_secs(1);
 /// A long poll ends this much before the request's deadline, so the client gets a
@@ -354,7 +360,7 @@ impl Shared {
         let count = self.topology.partitions_count();
         for partition in self.activate_start.order_from(first, count) {
             let remaining = max.saturating_sub(u32::try_from(jobs.len()).unwrap_or(u32::MAX));
-            if remaining == 0 || !over.is_empty() {
+            if remaining == 0 || !over.is_empty() || Instant::now() >= deadline {
                 break;
             }
             // Once only: sent again after a failover lost the answer of an attempt
@@ -367,8 +373,13 @@ impl Shared {
                     max_jobs: remaining,
                 }),
             });
-            let visit_end = deadline.min(resend_limit());
-            let retry_until = instant_after(VISIT_RETRY_BUDGET).min(visit_end);
+            // An Activate on its way is waited for past the client's deadline: if it
+            // activates jobs after the client gave up, they are given back (see
+            // `activate_jobs`) rather than left to their timeout.
+            let visit_end = deadline
+                .max(instant_after(ACTIVATE_SETTLE))
+                .min(resend_limit());
+            let retry_until = instant_after(VISIT_RETRY_BUDGET).min(deadline);
             match self
                 .router
                 .execute_until(partition, &request, retry_until, visit_end)
