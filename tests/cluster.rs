@@ -1801,6 +1801,43 @@ async fn a_poll_whose_client_gave_up_before_the_commit_strands_no_job() {
     assert_eq!(keys, vec![key], "given back once its activation committed");
 }
 
+/// A create whose leader appended it and then could not commit it before the
+/// request's deadline (the gateway's default, 15 s: its followers are frozen)
+/// fails with DEADLINE_EXCEEDED, saying the job may have been created, never
+/// UNAVAILABLE (which clients resend on their own). Once the followers are back,
+/// the leader commits it: one job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_not_committed_by_its_deadline_fails_as_maybe_created() {
+    let _g = serial().await;
+    let (cluster, c) = one_partition_cluster("unsure").await;
+    let leader = cluster.leaders().await[&1];
+    let followers: Vec<u64> = (1..=3).filter(|b| *b != leader).collect();
+    for f in &followers {
+        cluster.freeze_broker(*f, true);
+    }
+    let once = c.clone().with_retry_budget(Duration::ZERO);
+    let started = Instant::now();
+    let e = once
+        .create_job(NewJob::new("unsure"))
+        .await
+        .expect_err("no commit without the followers");
+    let took = started.elapsed();
+    for f in &followers {
+        cluster.freeze_broker(*f, false);
+    }
+    assert_eq!(
+        e.code(),
+        Some(Code::DeadlineExceeded),
+        "{e:?} after {took:?}"
+    );
+    assert!(e.to_string().contains("may have been created"), "{e}");
+    let jobs = c
+        .activate_jobs(poll("unsure", 10).request_timeout(Duration::from_secs(5)))
+        .await
+        .expect("poll");
+    assert_eq!(jobs.len(), 1, "created once, after all: {jobs:?}");
+}
+
 /// A create sent to a leader that then stops answering (here frozen) may have been
 /// applied there, so the gateway cannot move it to another partition: it waits out
 /// the failover and sends it to the partition's next leader, instead of giving up
