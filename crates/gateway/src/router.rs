@@ -6,7 +6,9 @@ use crate::metrics;
 use crate::topology::Topology;
 use courier_proto::cluster::{broker_client::BrokerClient, ExecuteReply, ExecuteRequest};
 use courier_proto::codec;
-use courier_proto::domain::{BrokerError, Command, NodeId, PartitionId, Reply, Request};
+use courier_proto::domain::{
+    BrokerError, Command, NodeId, PartitionId, Reply, Request, RESEND_FOR_MS,
+};
 use courier_proto::mux::{CallError, Mux};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -109,7 +111,9 @@ impl Router {
     /// (an attempt in flight still runs until `deadline`), and says whether the
     /// request can have been applied. Once it may have been (an attempt's answer
     /// was lost), it is retried here until `deadline`: the caller could not move
-    /// it elsewhere without doing it twice, so it waits out the failover.
+    /// it elsewhere without doing it twice, so it waits out the failover. A
+    /// [`Command::Once`] is sent again for at most [`RESEND_FOR_MS`] from now,
+    /// while partitions still remember its id.
     pub async fn execute_until(
         &self,
         partition: PartitionId,
@@ -125,6 +129,12 @@ impl Router {
                 not_applied: false,
             })?,
             id: 0,
+        };
+        let resend_until = match request {
+            Request::Command(Command::Once { .. }) => {
+                deadline.min(instant_after(Duration::from_millis(RESEND_FOR_MS)))
+            }
+            _ => deadline,
         };
         let mut backoff = Backoff::new(RETRY_BASE, RETRY_CAP);
         // A retry waiting for a leader goes as soon as the gateway learns of one
@@ -202,7 +212,11 @@ impl Router {
                 }
             };
             let wake = Instant::now() + backoff.next_delay();
-            let until = if maybe_applied { deadline } else { retry_until };
+            let until = if maybe_applied {
+                resend_until
+            } else {
+                retry_until
+            };
             if wake >= until.min(deadline) || self.shutdown.is_cancelled() {
                 tracing::debug!(%partition, reason, last, "giving up");
                 return Err(RouteFailure {

@@ -12,7 +12,6 @@ use courier_proto::convert;
 use courier_proto::courier_v1::{self as v1, jobs_server::Jobs};
 use courier_proto::domain::{
     ActivationProps, BrokerError, Command, JobKey, NewJob, PartitionId, Reply, Request, RequestId,
-    RESEND_FOR_MS,
 };
 use courier_proto::gateway_protocol::{self as gw, gateway_server::Gateway};
 use futures::{Stream, StreamExt};
@@ -228,28 +227,30 @@ impl Shared {
         Ok(self.router.execute(partition, &request, deadline).await?)
     }
 
+    /// `command` carried out once however often the router sends it (see
+    /// [`Command::Once`]).
+    fn once(&self, command: Command) -> Command {
+        Command::Once {
+            request: self.request_ids.next(),
+            command: Box::new(command),
+        }
+    }
+
     /// Runs a command that answers `Done` on the job's partition.
     ///
-    /// A fail or a thrown error is sent as a [`Command::Once`], for at most
-    /// [`RESEND_FOR_MS`]: sent again after a failover that lost the answer of an
-    /// attempt that was applied, it is answered as that attempt was, instead of
-    /// failing the job's next activation (or being refused as the job is no longer
-    /// activated). A completion needs none: sent again, it finds the job gone, which
-    /// the router takes as done.
+    /// A fail or a thrown error goes once only: sent again after a failover that
+    /// lost the answer of an attempt that was applied, it is answered as that
+    /// attempt was, instead of failing the job's next activation (or being refused
+    /// as the job is no longer activated). A completion needs none: sent again, it
+    /// finds the job gone, which the router takes as done.
     async fn job_command(
         &self,
         key: i64,
         command: Result<Command, String>,
-        mut deadline: Instant,
+        deadline: Instant,
     ) -> Result<(), GatewayError> {
         let command = match command.map_err(invalid)? {
-            c @ (Command::Fail { .. } | Command::ThrowError { .. }) => {
-                deadline = deadline.min(resend_limit());
-                Command::Once {
-                    request: self.request_ids.next(),
-                    command: Box::new(c),
-                }
-            }
+            c @ (Command::Fail { .. } | Command::ThrowError { .. }) => self.once(c),
             c => c,
         };
         match self
@@ -366,19 +367,14 @@ impl Shared {
             // Once only: sent again after a failover lost the answer of an attempt
             // that was applied, it gets that attempt's jobs, which would otherwise
             // sit out their activation timeout.
-            let request = Request::Command(Command::Once {
-                request: self.request_ids.next(),
-                command: Box::new(Command::Activate {
-                    props: props.clone(),
-                    max_jobs: remaining,
-                }),
-            });
+            let request = Request::Command(self.once(Command::Activate {
+                props: props.clone(),
+                max_jobs: remaining,
+            }));
             // An Activate on its way is waited for past the client's deadline: if it
             // activates jobs after the client gave up, they are given back (see
             // `activate_jobs`) rather than left to their timeout.
-            let visit_end = deadline
-                .max(instant_after(ACTIVATE_SETTLE))
-                .min(resend_limit());
+            let visit_end = deadline.max(instant_after(ACTIVATE_SETTLE));
             let retry_until = instant_after(VISIT_RETRY_BUDGET).min(deadline);
             match self
                 .router
@@ -440,14 +436,12 @@ impl Shared {
     /// not applied there. One sent again to a partition where it may have been
     /// applied (its answer lost in a failover) carries the same request id, and the
     /// partition answers with the jobs of the first time ([`Command::Once`]): a job
-    /// is never created twice. It is sent again for at most [`RESEND_FOR_MS`],
-    /// within which partitions remember the id.
+    /// is never created twice.
     async fn create(
         &self,
         jobs: Vec<NewJob>,
         deadline: Instant,
     ) -> Result<(Vec<JobKey>, PartitionId), GatewayError> {
-        let deadline = deadline.min(resend_limit());
         let count = self.topology.wait_for_partitions(deadline).await;
         if count == 0 {
             return Err(BrokerError::Unavailable(
@@ -455,10 +449,7 @@ impl Shared {
             )
             .into());
         }
-        let request = Request::Command(Command::Once {
-            request: self.request_ids.next(),
-            command: Box::new(Command::Create(jobs)),
-        });
+        let request = Request::Command(self.once(Command::Create(jobs)));
         // Round-robin over the partitions that can commit now, then the others.
         let order = self.topology.healthy_first(self.create_start.order(count));
         let mut last = None;
@@ -494,11 +485,6 @@ impl Shared {
             .unwrap_or_else(|| BrokerError::Unavailable("request deadline passed".into()))
             .into())
     }
-}
-
-/// How long from now a command carried out once may still be sent again.
-fn resend_limit() -> Instant {
-    instant_after(Duration::from_millis(RESEND_FOR_MS))
 }
 
 /// A create that failed after it may have reached a leader: unavailable then means

@@ -1142,7 +1142,6 @@ fn precondition(key: JobKey, action: &str, status: &JobStatus) -> BrokerError {
     ))
 }
 
-/// Keeps only the variables a worker asked for; all of them when it named none.
 /// `job` as an activation for `props` hands it out.
 fn handed_out(job: &Job, worker: &str, deadline: i64, props: &ActivationProps) -> ActivatedJob {
     ActivatedJob {
@@ -1158,6 +1157,7 @@ fn handed_out(job: &Job, worker: &str, deadline: i64, props: &ActivationProps) -
     }
 }
 
+/// Keeps only the variables a worker asked for; all of them when it named none.
 fn filter_variables(doc: &str, fetch: &[String]) -> String {
     if fetch.is_empty() {
         return doc.to_string();

@@ -272,6 +272,22 @@ impl StateMachine {
     }
 }
 
+/// Puts in `batch` the removal of every key of `ks` and the insertion of
+/// `entries` (key, value to encode).
+fn replace_all<'a, K: AsRef<[u8]>, V: serde::Serialize + 'a>(
+    batch: &mut fjall::OwnedWriteBatch,
+    ks: &Keyspace,
+    entries: impl Iterator<Item = (K, &'a V)>,
+) -> Result<(), StorageError<NodeId>> {
+    for g in ks.iter() {
+        batch.remove(ks, g.key().map_err(read_err)?);
+    }
+    for (k, v) in entries {
+        batch.insert(ks, k.as_ref(), codec::to_vec(v).map_err(write_err)?);
+    }
+    Ok(())
+}
+
 /// The request id a key of the requests keyspace stands for.
 fn request_id(key: &[u8]) -> Result<RequestId, StorageError<NodeId>> {
     let bytes: [u8; 16] = key.try_into().map_err(|_| {
@@ -407,26 +423,13 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             let partition = a.state.partition();
             // Replace every stored job and the meta in one atomic batch.
             let mut batch = self.db.database().batch();
-            for g in self.jobs.iter() {
-                batch.remove(&self.jobs, g.key().map_err(read_err)?);
-            }
-            for job in &data.jobs {
-                batch.insert(
-                    &self.jobs,
-                    (job.key.0 as u64).to_be_bytes(),
-                    codec::to_vec(job).map_err(write_err)?,
-                );
-            }
-            for g in self.requests.iter() {
-                batch.remove(&self.requests, g.key().map_err(read_err)?);
-            }
-            for (id, record) in &data.onces {
-                batch.insert(
-                    &self.requests,
-                    id.0.to_be_bytes(),
-                    codec::to_vec(record).map_err(write_err)?,
-                );
-            }
+            let jobs = data
+                .jobs
+                .iter()
+                .map(|j| ((j.key.0 as u64).to_be_bytes(), j));
+            replace_all(&mut batch, &self.jobs, jobs)?;
+            let onces = data.onces.iter().map(|(id, r)| (id.0.to_be_bytes(), r));
+            replace_all(&mut batch, &self.requests, onces)?;
             a.state = State::from_parts(partition, data.counters, data.jobs, data.onces);
             a.last_applied = meta.last_log_id;
             a.membership = meta.last_membership.clone();
