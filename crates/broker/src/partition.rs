@@ -17,6 +17,7 @@ use courier_proto::cluster::{
 };
 use courier_proto::domain::{
     ActivatedJob, ActivationProps, BrokerError, Command, JobKey, NodeId, PartitionId, Reply,
+    RequestId,
 };
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
@@ -134,13 +135,15 @@ struct ActivationClaim<'a> {
     job_type: String,
     tenants: Vec<String>,
     max_jobs: u32,
+    /// The request id of a once-only activation.
+    request: Option<RequestId>,
 }
 
 impl Drop for ActivationClaim<'_> {
     fn drop(&mut self) {
         let p = self.partition;
         let mut claims = p.claims.lock().unwrap_or_else(|e| e.into_inner());
-        claims.release(&self.job_type, &self.tenants, self.max_jobs);
+        claims.release(&self.job_type, &self.tenants, self.max_jobs, self.request);
         drop(claims);
         if !p.is_leader() {
             return;
@@ -593,12 +596,13 @@ impl Partition {
             _ => None,
         };
         let _claim = match cmd.inner() {
-            // A repeat of an activation whose first attempt was applied is answered
-            // with that attempt's jobs (in the log, whatever is activatable now).
-            Command::Activate { .. } if self.repeats_applied(&cmd) => None,
             Command::Activate { props, max_jobs } => {
-                match self.claim_activation(props, *max_jobs) {
-                    Ok(claim) => Some(claim),
+                let request = match &cmd {
+                    Command::Once { request, .. } => Some(*request),
+                    _ => None,
+                };
+                match self.claim_activation(props, *max_jobs, request) {
+                    Ok(claim) => claim,
                     Err(reason) => {
                         metrics::EMPTY_ACTIVATIONS
                             .with_label_values(&[reason])
@@ -614,16 +618,6 @@ impl Partition {
             .await
     }
 
-    /// Whether `cmd` is a [`Command::Once`] whose request this replica has applied.
-    fn repeats_applied(&self, cmd: &Command) -> bool {
-        match cmd {
-            Command::Once { request, .. } => {
-                self.shared.read().state.once_record(*request).is_some()
-            }
-            _ => false,
-        }
-    }
-
     /// Claims the jobs an Activate may take before it is proposed, or says why it
     /// would certainly take none, so it needs no log entry (and no commit):
     /// - `nothing`: no job of the type is activatable for these tenants;
@@ -636,15 +630,30 @@ impl Partition {
     /// gateways a "jobs available" notice, and jobs an activation in flight leaves
     /// are announced when it finishes ([`ActivationClaim`]); the gateway subscribed
     /// to those notices before it asked, so the poll it parks is woken.
+    ///
+    /// A repeat of a once-only activation (`request`) whose first attempt is in
+    /// flight here or applied is proposed as it is, with no claim: the log answers
+    /// it with that attempt's jobs, which the outlook would count as claimed or
+    /// gone. The claims are looked at before the applied state, under their lock,
+    /// and a claim is released only once its attempt is answered (its entry
+    /// applied) or has failed, so an attempt that succeeded is found in one or the
+    /// other.
     fn claim_activation(
         &self,
         props: &ActivationProps,
         max_jobs: u32,
-    ) -> Result<ActivationClaim<'_>, &'static str> {
+        request: Option<RequestId>,
+    ) -> Result<Option<ActivationClaim<'_>>, &'static str> {
         let leading_term = self.leading_term();
         let mut claims = self.claims.lock().unwrap_or_else(|e| e.into_inner());
+        if request.is_some_and(|r| claims.carries(r)) {
+            return Ok(None);
+        }
         {
             let applied = self.shared.read();
+            if request.is_some_and(|r| applied.state.once_record(r).is_some()) {
+                return Ok(None);
+            }
             let caught_up = leading_term.is_some_and(|term| {
                 applied
                     .last_applied
@@ -661,13 +670,14 @@ impl Partition {
                 }
             }
         }
-        claims.add(&props.job_type, &props.tenant_ids, max_jobs);
-        Ok(ActivationClaim {
+        claims.add(&props.job_type, &props.tenant_ids, max_jobs, request);
+        Ok(Some(ActivationClaim {
             partition: self,
             job_type: props.job_type.clone(),
             tenants: props.tenant_ids.clone(),
             max_jobs,
-        })
+            request,
+        }))
     }
 
     /// Tells the gateways that this stream's jobs wait here for credit it does not

@@ -227,3 +227,114 @@ async fn raft_traffic_of_another_data_format_is_refused() {
         .unwrap()
         .unwrap();
 }
+
+/// The gateway's repeat of a once-only activation that reaches the leader while its
+/// first attempt is still in flight there (the first attempt's answer lost with its
+/// connection, say) gets the jobs that attempt activates. Were it answered by what
+/// the leader has applied so far, those jobs would look claimed, the repeat would
+/// come back empty, and the jobs would wait out their activation timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_activation_repeated_while_its_first_attempt_is_in_flight_gets_its_jobs() {
+    use courier_proto::domain::{
+        ActivationProps, BrokerError, Command, NewJob, Reply, Request, RequestId,
+    };
+    let (_dir, addr, shutdown, broker) = start_broker().await;
+    let mut commands = BrokerClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let (tx, rx) = mpsc::channel(16);
+    let mut answers = commands
+        .execute(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let send = |id: u64, request: &Request| {
+        let tx = tx.clone();
+        let request = codec::to_vec(request).unwrap();
+        async move {
+            tx.send(ExecuteRequest {
+                partition_id: 1,
+                request: request.into(),
+                id,
+            })
+            .await
+            .unwrap();
+        }
+    };
+    let job = NewJob {
+        job_type: "t".into(),
+        variables: "{}".into(),
+        custom_headers: "{}".into(),
+        retries: 3,
+        tenant_id: "<default>".into(),
+        process: Default::default(),
+    };
+    let create = Request::Command(Command::Create(vec![job; 3]));
+    // Until the broker leads its partition, creates are refused.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut id = 0;
+    let created = loop {
+        id += 1;
+        send(id, &create).await;
+        let answer = tokio::time::timeout(Duration::from_secs(10), answers.message())
+            .await
+            .expect("an answer within 10 s")
+            .unwrap()
+            .expect("the stream stays open");
+        assert_eq!(answer.id, id);
+        let reply: Result<Reply, BrokerError> = codec::decode(&answer.reply).unwrap();
+        match reply {
+            Ok(Reply::Created(keys)) => break keys,
+            other => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "no leader in 30 s: {other:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    assert_eq!(created.len(), 3);
+
+    let activate = Request::Command(Command::Once {
+        request: RequestId(0xfeed),
+        command: Box::new(Command::Activate {
+            props: ActivationProps {
+                job_type: "t".into(),
+                worker: "w".into(),
+                timeout_ms: 60_000,
+                fetch_variables: Vec::new(),
+                tenant_ids: vec!["<default>".into()],
+            },
+            max_jobs: 10,
+        }),
+    });
+    // Both attempts at once: the second reaches the leader before the first's entry
+    // is committed (an fdatasync away).
+    send(100, &activate).await;
+    send(101, &activate).await;
+    let mut got = std::collections::BTreeMap::new();
+    while got.len() < 2 {
+        let answer = tokio::time::timeout(Duration::from_secs(10), answers.message())
+            .await
+            .expect("an answer within 10 s")
+            .unwrap()
+            .expect("the stream stays open");
+        let reply: Result<Reply, BrokerError> = codec::decode(&answer.reply).unwrap();
+        let keys: Vec<_> = match reply {
+            Ok(Reply::Activated(jobs)) => jobs.iter().map(|j| j.key).collect(),
+            other => panic!("attempt {}: {other:?}", answer.id),
+        };
+        got.insert(answer.id, keys);
+    }
+    assert_eq!(got[&100], created, "the first attempt activates every job");
+    assert_eq!(got[&101], created, "the repeat gets the same jobs");
+
+    shutdown.cancel();
+    drop((tx, answers));
+    tokio::time::timeout(Duration::from_secs(10), broker)
+        .await
+        .expect("the broker stops")
+        .unwrap()
+        .unwrap();
+}
