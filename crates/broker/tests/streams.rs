@@ -28,6 +28,15 @@ fn frame(id: u64, partition_id: u32, call: i32, payload: &[u8]) -> RaftFrame {
     }
 }
 
+/// The next message of `stream`, within 10 s; the stream stays open.
+async fn next<T>(stream: &mut tonic::Streaming<T>) -> T {
+    tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("a message within 10 s")
+        .unwrap()
+        .expect("the stream stays open")
+}
+
 /// A one-broker cluster on loopback: its data folder (kept while it lives), its
 /// address, what stops it, and its task.
 async fn start_broker() -> (
@@ -90,11 +99,7 @@ async fn streams_answer_every_request_and_end_on_shutdown() {
 
     let mut got = std::collections::BTreeMap::new();
     while got.len() < 4 {
-        let reply = tokio::time::timeout(Duration::from_secs(10), replies.message())
-            .await
-            .expect("a reply within 10 s")
-            .unwrap()
-            .expect("the stream stays open");
+        let reply = next(&mut replies).await;
         got.insert(reply.id, reply);
     }
     assert!(
@@ -133,11 +138,7 @@ async fn streams_answer_every_request_and_end_on_shutdown() {
     })
     .await
     .unwrap();
-    let answer = tokio::time::timeout(Duration::from_secs(10), answers.message())
-        .await
-        .expect("an answer within 10 s")
-        .unwrap()
-        .expect("the stream stays open");
+    let answer = next(&mut answers).await;
     assert_eq!(answer.id, 42);
     assert_eq!(answer.error_code, tonic::Code::InvalidArgument as i32);
     assert!(
@@ -212,11 +213,7 @@ async fn raft_traffic_of_another_data_format_is_refused() {
     tx.send(frame(1, 99, RaftCall::AppendEntries as i32, b"x"))
         .await
         .unwrap();
-    let reply = tokio::time::timeout(Duration::from_secs(10), replies.message())
-        .await
-        .expect("a reply within 10 s")
-        .unwrap()
-        .expect("the stream stays open");
+    let reply = next(&mut replies).await;
     assert!(reply.error.contains("partition 99"), "{:?}", reply.error);
 
     shutdown.cancel();
@@ -276,11 +273,7 @@ async fn an_activation_repeated_while_its_first_attempt_is_in_flight_gets_its_jo
     let created = loop {
         id += 1;
         send(id, &create).await;
-        let answer = tokio::time::timeout(Duration::from_secs(10), answers.message())
-            .await
-            .expect("an answer within 10 s")
-            .unwrap()
-            .expect("the stream stays open");
+        let answer = next(&mut answers).await;
         assert_eq!(answer.id, id);
         let reply: Result<Reply, BrokerError> = codec::decode(&answer.reply).unwrap();
         match reply {
@@ -315,11 +308,7 @@ async fn an_activation_repeated_while_its_first_attempt_is_in_flight_gets_its_jo
     send(101, &activate).await;
     let mut got = std::collections::BTreeMap::new();
     while got.len() < 2 {
-        let answer = tokio::time::timeout(Duration::from_secs(10), answers.message())
-            .await
-            .expect("an answer within 10 s")
-            .unwrap()
-            .expect("the stream stays open");
+        let answer = next(&mut answers).await;
         let reply: Result<Reply, BrokerError> = codec::decode(&answer.reply).unwrap();
         let keys: Vec<_> = match reply {
             Ok(Reply::Activated(jobs)) => jobs.iter().map(|j| j.key).collect(),
