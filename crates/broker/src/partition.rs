@@ -597,11 +597,7 @@ impl Partition {
         };
         let _claim = match cmd.inner() {
             Command::Activate { props, max_jobs } => {
-                let request = match &cmd {
-                    Command::Once { request, .. } => Some(*request),
-                    _ => None,
-                };
-                match self.claim_activation(props, *max_jobs, request) {
+                match self.claim_activation(props, *max_jobs, cmd.once_request()) {
                     Ok(claim) => claim,
                     Err(reason) => {
                         metrics::EMPTY_ACTIVATIONS

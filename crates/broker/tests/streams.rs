@@ -37,6 +37,26 @@ async fn next<T>(stream: &mut tonic::Streaming<T>) -> T {
         .expect("the stream stays open")
 }
 
+/// Opens the command stream a gateway holds to the broker at `addr`: what to send
+/// on it, and its answers.
+async fn command_stream(
+    addr: std::net::SocketAddr,
+) -> (
+    mpsc::Sender<ExecuteRequest>,
+    tonic::Streaming<courier_proto::cluster::ExecuteReply>,
+) {
+    let mut commands = BrokerClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let (tx, rx) = mpsc::channel(16);
+    let answers = commands
+        .execute(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    (tx, answers)
+}
+
 /// A one-broker cluster on loopback: its data folder (kept while it lives), its
 /// address, what stops it, and its task.
 async fn start_broker() -> (
@@ -122,15 +142,7 @@ async fn streams_answer_every_request_and_end_on_shutdown() {
         codec::decode(&got[&4].payload).unwrap();
     assert!(answer.is_ok(), "{answer:?}");
 
-    let mut commands = BrokerClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap();
-    let (ctx, crx) = mpsc::channel(4);
-    let mut answers = commands
-        .execute(tokio_stream::wrappers::ReceiverStream::new(crx))
-        .await
-        .unwrap()
-        .into_inner();
+    let (ctx, mut answers) = command_stream(addr).await;
     ctx.send(ExecuteRequest {
         partition_id: 1,
         request: vec![0xff, 0xff].into(),
@@ -236,15 +248,7 @@ async fn an_activation_repeated_while_its_first_attempt_is_in_flight_gets_its_jo
         ActivationProps, BrokerError, Command, NewJob, Reply, Request, RequestId,
     };
     let (_dir, addr, shutdown, broker) = start_broker().await;
-    let mut commands = BrokerClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap();
-    let (tx, rx) = mpsc::channel(16);
-    let mut answers = commands
-        .execute(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let (tx, mut answers) = command_stream(addr).await;
     let send = |id: u64, request: &Request| {
         let tx = tx.clone();
         let request = codec::to_vec(request).unwrap();

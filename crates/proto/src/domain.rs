@@ -248,6 +248,14 @@ impl Command {
             other => other,
         }
     }
+
+    /// The request id of a [`Command::Once`].
+    pub fn once_request(&self) -> Option<RequestId> {
+        match self {
+            Command::Once { request, .. } => Some(*request),
+            _ => None,
+        }
+    }
 }
 
 /// A gateway's id of one request; the same in every attempt to carry it out.

@@ -521,15 +521,12 @@ impl State {
         let replies = batch
             .commands
             .iter()
-            .map(|c| {
-                if let LogCommand::Client {
-                    cmd: Command::Once { request, .. },
-                    ..
-                } = c
-                {
-                    repeated += u32::from(self.onces.contains_key(request));
+            .map(|c| match self.repeat(c) {
+                Some(answer) => {
+                    repeated += 1;
+                    Ok(answer)
                 }
-                self.apply(batch.ts, term, c, &mut effects, changes)
+                None => self.apply(batch.ts, term, c, &mut effects, changes),
             })
             .collect();
         let mut seen = BTreeSet::new();
@@ -547,8 +544,24 @@ impl State {
         }
     }
 
-    /// Applies one command at time `ts`, of an entry of `term`.
-    pub fn apply(
+    /// The answer to `cmd` if it repeats a [`Command::Once`] applied before (an
+    /// earlier attempt's answer, as far as its jobs are still where it left them):
+    /// a repeat changes nothing.
+    fn repeat(&self, cmd: &LogCommand) -> Option<Reply> {
+        let LogCommand::Client {
+            cmd: Command::Once { request, command },
+            ..
+        } = cmd
+        else {
+            return None;
+        };
+        let done = self.onces.get(request)?;
+        Some(self.answer_again(&done.outcome, command))
+    }
+
+    /// Applies one command at time `ts`, of an entry of `term`; a repeat of a
+    /// [`Command::Once`] is answered by [`State::repeat`] before.
+    fn apply(
         &mut self,
         ts: i64,
         term: u64,
@@ -638,11 +651,6 @@ impl State {
                     .collect(),
             )),
             Command::Once { request, command } => {
-                if let Some(done) = self.onces.get(request) {
-                    // An earlier attempt of this request was applied: its answer,
-                    // as far as its jobs are still where it left them.
-                    return Ok(self.answer_again(&done.outcome, command));
-                }
                 if !matches!(
                     **command,
                     Command::Create(_)
