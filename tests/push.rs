@@ -8,8 +8,8 @@
 mod common;
 
 use common::{
-    all_gone, create_in_batches, serial, wait_broker_metric, wait_registered, wait_until, Cluster,
-    ClusterOpts,
+    all_gone, courier_bin, create_in_batches, serial, wait_broker_metric, wait_registered,
+    wait_until, ClientProc, Cluster, ClusterOpts,
 };
 use courier_client::{ActivateJobs, Client, NewJob};
 use courier_proto::cluster::{HeldQuery, PushJob};
@@ -18,6 +18,8 @@ use courier_proto::gateway_protocol::{
     gateway_client::GatewayClient, ActivatedJob, FailJobRequest, StreamActivatedJobsRequest,
 };
 use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -1588,4 +1590,182 @@ async fn the_jobs_a_gateway_that_left_gracefully_handed_out_are_not_run_again() 
         let job = c.get_job(*k).await.expect("still there");
         assert_eq!(job.state, courier_client::JobState::Activated as i32);
     }
+}
+
+/// Starts a `courier worker` process on gateway `addr` that takes `job_type` jobs
+/// (pushed, and long-polled as its fallback) with the default activation timeout
+/// (5 minutes) and appends each job's key to `seen` before completing it.
+fn cli_worker(addr: &str, job_type: &str, seen: &std::path::Path, out: PathBuf) -> ClientProc {
+    let handler = format!(
+        "echo \"$COURIER_JOB_KEY\" >> '{}'; echo '{{}}'",
+        seen.display()
+    );
+    ClientProc::spawn(
+        std::path::Path::new(courier_bin()),
+        &[
+            "worker",
+            job_type,
+            "--address",
+            addr,
+            "--handler",
+            &handler,
+            "--json",
+        ],
+        out,
+    )
+}
+
+/// Creates jobs through `c` in small paced batches until `stop`, recording the
+/// keys of every acknowledged one; a create that fails (its gateway or every
+/// leader is gone) is not acknowledged and may or may not exist.
+fn producer(c: Client, job_type: &'static str, acked: Arc<Mutex<Vec<i64>>>, stop: Arc<AtomicBool>) {
+    tokio::spawn(async move {
+        while !stop.load(Ordering::Relaxed) {
+            let jobs = (0..5).map(|_| NewJob::new(job_type));
+            if let Ok(keys) = c.create_jobs(jobs).await {
+                acked.lock().unwrap().extend(keys);
+            }
+            tokio::time::sleep(Duration::from_millis(40)).await;
+        }
+    });
+}
+
+/// Waits until `n` more jobs than now are acknowledged: load keeps flowing
+/// between two failures.
+async fn more_acked(acked: &Mutex<Vec<i64>>, n: usize, what: &str) {
+    let from = acked.lock().unwrap().len();
+    wait_until(Duration::from_secs(30), what, || async {
+        acked.lock().unwrap().len() >= from + n
+    })
+    .await;
+}
+
+/// The broker leading `partition` (waited for: a leadership can be on its way back
+/// to its preferred broker).
+async fn leader_of(cluster: &Cluster, partition: u32) -> u64 {
+    let leader = Mutex::new(None);
+    wait_until(
+        Duration::from_secs(10),
+        "the partition has a leader",
+        || async {
+            let l = cluster.leaders().await.get(&partition).copied();
+            *leader.lock().unwrap() = l;
+            l.is_some()
+        },
+    )
+    .await;
+    let l = leader.lock().unwrap().expect("a leader");
+    l
+}
+
+/// Kills the leader of `partition`, waits for another broker to lead it, and
+/// restarts the one killed.
+async fn kill_leader_and_restart(cluster: &mut Cluster, partition: u32) {
+    let victim = leader_of(cluster, partition).await;
+    cluster.kill_broker(victim);
+    wait_until(
+        Duration::from_secs(10),
+        "another broker leads the partition",
+        || async {
+            cluster
+                .leaders()
+                .await
+                .get(&partition)
+                .is_some_and(|l| *l != victim)
+        },
+    )
+    .await;
+    cluster.start_broker(victim);
+}
+
+/// Failures one after another while workers stream and producers create: leaders
+/// killed and restarted, the gateway one worker streams through killed and
+/// restarted, and two brokers killed at once (every partition loses its majority)
+/// and restarted. Every acknowledged job reaches a worker's handler and is
+/// completed soon after, though the workers' activation timeout is 5 minutes: new
+/// leaders, the gateway's return and the lost-gateway grace bring back every job
+/// that was on its way when something died.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_job_is_completed_while_brokers_and_a_gateway_die_one_after_another() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts::default()).await;
+    let other = cluster.add_gateway();
+    let dir = cluster.dir.path().to_path_buf();
+    let seen = dir.join("seen");
+    let _w0 = cli_worker(
+        &cluster.gateway_addr,
+        "soak",
+        &seen,
+        dir.join("worker-0.out"),
+    );
+    let _w1 = cli_worker(
+        &cluster.gateway_addrs[other],
+        "soak",
+        &seen,
+        dir.join("worker-1.out"),
+    );
+    // One stream per gateway, registered with every broker.
+    wait_registered(&cluster, 6.0).await;
+    let acked = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    producer(cluster.client(), "soak", acked.clone(), stop.clone());
+    producer(
+        cluster.client_of(other),
+        "soak",
+        acked.clone(),
+        stop.clone(),
+    );
+    more_acked(&acked, 200, "jobs flow").await;
+
+    for partition in [1, 2] {
+        kill_leader_and_restart(&mut cluster, partition).await;
+        more_acked(&acked, 200, "jobs flow after a leader died").await;
+    }
+    cluster.kill_gateway(0);
+    more_acked(&acked, 200, "jobs flow through the other gateway").await;
+    cluster.start_gateway(0);
+    cluster.wait_for_leaders(Duration::from_secs(20)).await;
+    more_acked(&acked, 200, "jobs flow after the gateway came back").await;
+    let a = leader_of(&cluster, 3).await;
+    let b = a % 3 + 1;
+    cluster.kill_broker(a);
+    cluster.kill_broker(b);
+    cluster.start_broker(a);
+    cluster.start_broker(b);
+    cluster.wait_for_leaders(Duration::from_secs(30)).await;
+    more_acked(&acked, 200, "jobs flow after the majority came back").await;
+    kill_leader_and_restart(&mut cluster, 3).await;
+    more_acked(&acked, 200, "jobs flow after the last failure").await;
+    stop.store(true, Ordering::Relaxed);
+
+    let keys = acked.lock().unwrap().clone();
+    let c = cluster.client_of(other);
+    wait_until(Duration::from_secs(60), "every job is completed", || {
+        all_gone(&c, &keys)
+    })
+    .await;
+    // Gone could also mean lost: each one reached a handler.
+    let handled: BTreeSet<i64> = std::fs::read_to_string(&seen)
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    let lost: Vec<i64> = keys
+        .iter()
+        .filter(|k| !handled.contains(k))
+        .copied()
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "{} of {} acknowledged jobs never reached a handler, e.g. {:?}",
+        lost.len(),
+        keys.len(),
+        &lost[..lost.len().min(5)]
+    );
+    eprintln!(
+        "{} jobs acknowledged, {} handled ({} handler runs)",
+        keys.len(),
+        handled.len(),
+        std::fs::read_to_string(&seen).unwrap().lines().count()
+    );
 }
