@@ -186,10 +186,7 @@ pub async fn run(
         ),
         shutdown.clone(),
     ));
-    // On /metrics from the start, at 0, with rebalancing on or off.
-    for outcome in ["handed_over", "kept"] {
-        metrics::REBALANCES.with_label_values(&[outcome]).inc_by(0);
-    }
+    metrics::init();
     // One hand-off at a time: a rebalance's ends before the stop's begin.
     let handing_off = Arc::new(tokio::sync::Mutex::new(()));
     if let Some(settle) = config.rebalance_after {

@@ -406,6 +406,76 @@ pub static CREATE_TO_PUSH: LazyLock<Histogram> = LazyLock::new(|| {
     )))
 });
 
+/// Puts every broker metric on `/metrics` from the start: each counter with every
+/// label value it can have at 0, so a graph or an alert on rates sees 0 before the
+/// first event, not an absent series (the partition and link gauges appear with
+/// the partitions and links they describe).
+pub fn init() {
+    for h in [
+        &BATCH_SIZE,
+        &COMMIT_SECONDS,
+        &FSYNC_SECONDS,
+        &APPLY_FLUSH_WAIT_SECONDS,
+        &PURGE_SECONDS,
+        &SNAPSHOT_SECONDS,
+        &FSYNC_APPENDS,
+        &CREATE_TO_PUSH,
+    ] {
+        LazyLock::force(h);
+    }
+    for c in [
+        &RAFT_STREAMS_OPENED,
+        &COMMIT_NEWS_LEFT,
+        &PAUSES,
+        &PEER_CALLS_UNREACHABLE,
+        &TRY_NEXT,
+        &BACKFILLED,
+        &REPEATS,
+        &NOTICE_CATCH_UPS,
+    ] {
+        LazyLock::force(c);
+    }
+    LazyLock::force(&PEERS_UNREACHABLE);
+    LazyLock::force(&APPENDS_BY_ENTRIES);
+    LazyLock::force(&REQUEST_SECONDS);
+    LazyLock::force(&POSITIONS);
+    let refused = courier_proto::push_refusal::ALL.map(|r| format!("refused_{r}"));
+    let labelled: [(&IntCounterVec, &[&str]); 10] = [
+        (
+            &HANDOFFS,
+            &[
+                "handed_over",
+                "no_follower_caught_up",
+                "refused",
+                "not_taken_over",
+            ],
+        ),
+        (&REBALANCES, &["handed_over", "kept"]),
+        (&ELECTIONS_ASKED, &["started", "refused"]),
+        (&REJECTED, &["queue_full", "not_committed"]),
+        (&FINISHED_NOTICES, &["sent", "sender"]),
+        (&PUSHES, &["accepted", "unknown"]),
+        (&PUSHES, &refused.each_ref().map(String::as_str)),
+        (&YIELDS, &["all_refused", "gateway", "left_to_time_out"]),
+        (
+            &RECONCILED,
+            &[
+                "held",
+                "yielded",
+                "gateway_gone",
+                "left_to_timeout",
+                "unanswered",
+            ],
+        ),
+        (&EMPTY_ACTIVATIONS, &["nothing", "claimed"]),
+    ];
+    for (counter, values) in labelled {
+        for v in values {
+            counter.with_label_values(&[v]).inc_by(0);
+        }
+    }
+}
+
 /// Every replica's last log index and last applied index, read from Raft's
 /// metrics when `/metrics` is scraped rather than at every entry.
 #[derive(Clone)]
@@ -565,6 +635,62 @@ mod tests {
             "courier_broker_repeated_commands_total",
         ] {
             assert!(names.iter().any(|x| x == n), "{n} missing from {names:?}");
+        }
+    }
+
+    /// Every counter a person would graph is on `/metrics` once the broker starts,
+    /// each label value at 0, before anything happened.
+    #[test]
+    fn init_puts_every_counter_on_metrics_with_each_label_value() {
+        super::init();
+        let families = prometheus::gather();
+        let series = |name: &str| -> Vec<String> {
+            families
+                .iter()
+                .filter(|f| f.name() == name)
+                .flat_map(|f| f.get_metric())
+                .map(|m| {
+                    m.get_label()
+                        .iter()
+                        .map(|l| l.value())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                })
+                .collect()
+        };
+        for name in [
+            "courier_broker_push_try_next_total",
+            "courier_broker_backfilled_jobs_total",
+            "courier_broker_create_to_push_seconds",
+            "courier_broker_snapshot_build_seconds",
+            "courier_broker_raft_streams_opened_total",
+            "courier_broker_pauses_total",
+            "courier_broker_notice_catch_ups_total",
+        ] {
+            assert_eq!(series(name).len(), 1, "{name}");
+        }
+        let pushes = series("courier_broker_push_attempts_total");
+        for outcome in [
+            "accepted",
+            "unknown",
+            "refused_no_client",
+            "refused_clients_full",
+            "refused_gateway_full",
+            "refused_unknown_stream",
+            "refused_disowned",
+        ] {
+            assert!(pushes.iter().any(|p| p == outcome), "{outcome}: {pushes:?}");
+        }
+        for (name, n) in [
+            ("courier_broker_yields_total", 3),
+            ("courier_broker_reconciled_pushes_total", 5),
+            ("courier_broker_leadership_handoffs_total", 4),
+            ("courier_broker_leadership_rebalances_total", 2),
+            ("courier_broker_empty_activations_total", 2),
+            ("courier_broker_finished_notices_total", 2),
+            ("courier_broker_raft_appends_received_total", 2),
+        ] {
+            assert_eq!(series(name).len(), n, "{name}: {:?}", series(name));
         }
     }
 }

@@ -19,6 +19,7 @@ use courier_proto::domain::{
     ActivatedJob, ActivationProps, BrokerError, Command, JobKey, NodeId, PartitionId, Reply,
     RequestId,
 };
+use courier_proto::push_refusal::DISOWNED;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use openraft::error::{ClientWriteError, RaftError};
@@ -83,8 +84,6 @@ const SLOW_ENTRY: Duration = Duration::from_secs(2);
 const MAJORITY_LOST_AFTER: Duration = Duration::from_secs(3);
 /// How often a leader checks whether it still hears from a majority.
 const MAJORITY_CHECK_EVERY: Duration = Duration::from_millis(250);
-/// The refusal of a push that a newer leader already asked the gateway about.
-const DISOWNED: &str = "disowned";
 /// Most activations asked about in one `HeldQuery`.
 const HELD_QUERY_BATCH: usize = 4096;
 

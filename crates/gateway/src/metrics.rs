@@ -185,6 +185,12 @@ fn build() -> prometheus::Result<Metrics> {
     ] {
         m.jobs_yielded.with_label_values(&[reason]);
     }
+    for reason in courier_proto::push_refusal::ALL
+        .into_iter()
+        .chain([MALFORMED_PUSH])
+    {
+        m.push_rejected.with_label_values(&[reason]);
+    }
     let registry = prometheus::default_registry();
     let collectors: [Box<dyn prometheus::core::Collector>; 23] = [
         Box::new(m.requests.clone()),
@@ -326,7 +332,10 @@ pub fn job_pushed() {
     }
 }
 
-/// Counts a refused push; `reason` is the ack's reason.
+/// The reason counted for a push that carries no job: dropped, never acked.
+pub const MALFORMED_PUSH: &str = "malformed";
+
+/// Counts a refused push; `reason` is the ack's reason (or [`MALFORMED_PUSH`]).
 pub fn push_rejected(reason: &'static str) {
     if let Some(m) = METRICS.as_ref() {
         m.push_rejected.with_label_values(&[reason]).inc();
@@ -445,5 +454,32 @@ mod tests {
         assert_eq!(credit_series("forgotten-type"), 2);
         CreditGauges::forget("forgotten-type");
         assert_eq!(credit_series("forgotten-type"), 0);
+    }
+
+    /// The values of `label` among the series of counter `name`.
+    fn label_values(name: &str, label: &str) -> Vec<String> {
+        prometheus::default_registry()
+            .gather()
+            .iter()
+            .filter(|f| f.name() == name)
+            .flat_map(|f| f.get_metric())
+            .flat_map(|m| m.get_label())
+            .filter(|l| l.name() == label)
+            .map(|l| l.value().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn push_refusals_and_yields_have_a_series_for_every_reason_from_the_start() {
+        LazyLock::force(&METRICS);
+        let refused = label_values("courier_gateway_push_rejected_total", "reason");
+        for reason in courier_proto::push_refusal::ALL
+            .into_iter()
+            .chain([MALFORMED_PUSH])
+        {
+            assert!(refused.iter().any(|r| r == reason), "{reason}: {refused:?}");
+        }
+        let yielded = label_values("courier_gateway_jobs_yielded_total", "reason");
+        assert_eq!(yielded.len(), 3, "{yielded:?}");
     }
 }

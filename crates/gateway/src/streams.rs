@@ -83,19 +83,10 @@ const MAX_HOLD: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 /// Most credit a client may state for itself.
 pub const MAX_CLIENT_CREDIT: u32 = 10_000;
 
-/// [`PushAck::reason`] when the stream has no client.
-pub const NO_CLIENT: &str = "no_client";
-/// [`PushAck::reason`] when the push names a stream this gateway does not have (any
-/// more: it may have just lost its last client).
-pub const UNKNOWN_STREAM: &str = "unknown_stream";
-/// [`PushAck::reason`] when no client of the stream had free credit.
-pub const CLIENTS_FULL: &str = "clients_full";
-/// [`PushAck::reason`] when the gateway holds its most jobs or bytes in flight.
-pub const GATEWAY_FULL: &str = "gateway_full";
-/// [`PushAck::reason`] for a push of an activation this gateway already told a newer
-/// leader it does not hold (see [`AggregatedStreams::held`]): that leader has made
-/// the job runnable again, so this late push from its predecessor must not run it.
-pub const DISOWNED: &str = "disowned";
+/// Why a push is refused (its [`PushAck::reason`]); see [`courier_proto::push_refusal`].
+pub use courier_proto::push_refusal::{
+    CLIENTS_FULL, DISOWNED, GATEWAY_FULL, NO_CLIENT, UNKNOWN_STREAM,
+};
 /// How long the gateway remembers the activations it told a leader it does not hold.
 /// A late push can only come over a link that is still up, and a broker that does
 /// not answer the link's pings for 15 s (see `topology::KEEPALIVE_INTERVAL` and
@@ -434,7 +425,7 @@ impl AggregatedStreams {
     /// `PushAck`. `None`: the push carries no job, and is dropped.
     fn push(&self, node: NodeId, conn: u64, push: PushJob) -> Option<PushAck> {
         let Some(job) = push.job else {
-            metrics::push_rejected("malformed");
+            metrics::push_rejected(metrics::MALFORMED_PUSH);
             tracing::warn!(
                 node,
                 push_id = push.push_id,

@@ -7,6 +7,7 @@
 //! - [`validate`]: checks on client input that map to INVALID_ARGUMENT.
 //! - [`codec`]: the one place that turns domain values into cluster payloads and back.
 //! - [`mux`]: request/reply calls multiplexed on one long-lived gRPC stream.
+//! - [`push_refusal`]: why a gateway refuses a pushed job.
 
 #![allow(clippy::derive_partial_eq_without_eq)]
 
@@ -50,6 +51,33 @@ pub const GATEWAY_ID_HEADER: &str = "courier-gateway-id";
 /// its log entries and snapshots are written in. A peer of another format refuses
 /// them (FAILED_PRECONDITION) rather than misread them.
 pub const DATA_FORMAT_HEADER: &str = "courier-data-format";
+
+/// Why a gateway refused a push: the `reason` of a `PushAck` that is not accepted.
+/// Shared so that brokers and gateways count pushes by the same reasons on
+/// `/metrics`.
+pub mod push_refusal {
+    /// The stream has no client.
+    pub const NO_CLIENT: &str = "no_client";
+    /// The push names a stream the gateway does not have (any more: it may have just
+    /// lost its last client).
+    pub const UNKNOWN_STREAM: &str = "unknown_stream";
+    /// No client of the stream had free credit.
+    pub const CLIENTS_FULL: &str = "clients_full";
+    /// The gateway holds its most jobs or bytes in flight.
+    pub const GATEWAY_FULL: &str = "gateway_full";
+    /// A push of an activation the gateway already told a newer leader it does not
+    /// hold: that leader has made the job runnable again, so this late push from its
+    /// predecessor must not run it (nor be tried elsewhere or yielded).
+    pub const DISOWNED: &str = "disowned";
+    /// Every reason, for counters that start at zero.
+    pub const ALL: [&str; 5] = [
+        NO_CLIENT,
+        UNKNOWN_STREAM,
+        CLIENTS_FULL,
+        GATEWAY_FULL,
+        DISOWNED,
+    ];
+}
 
 macro_rules! frame {
     ($($t:ty),*) => {$(
