@@ -334,7 +334,7 @@ pub static YIELDS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     register(built(IntCounterVec::new(
         Opts::new(
             "courier_broker_yields_total",
-            "Pushed jobs made activatable again, by source (all_refused, gateway)",
+            "Pushed jobs given back to their partition, by source: all_refused (every recipient refused them), gateway (accepted, then no client took them), left_to_timeout (too close to their deadline to yield)",
         ),
         &["source"],
     )))
@@ -456,7 +456,7 @@ pub fn init() {
         (&FINISHED_NOTICES, &["sent", "sender"]),
         (&PUSHES, &["accepted", "unknown"]),
         (&PUSHES, &refused.each_ref().map(String::as_str)),
-        (&YIELDS, &["all_refused", "gateway", "left_to_time_out"]),
+        (&YIELDS, &["all_refused", "gateway", "left_to_timeout"]),
         (
             &RECONCILED,
             &[

@@ -1441,7 +1441,7 @@ async fn run_yields(p: Arc<Partition>, shutdown: CancellationToken) {
         let (due, late): (Vec<_>, Vec<_>) = batch.into_iter().partition(|(_, _, d)| *d > soon);
         if !late.is_empty() {
             metrics::YIELDS
-                .with_label_values(&["left_to_time_out"])
+                .with_label_values(&["left_to_timeout"])
                 .inc_by(late.len() as u64);
         }
         metrics::YIELDS
