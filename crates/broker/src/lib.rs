@@ -493,9 +493,9 @@ async fn rebalance_leaders(
             let handed =
                 tracing::Instrument::instrument(part.hand_off(ask, Some(preferred)), span).await;
             let outcome = if handed == Some(preferred) {
-                "handed_over"
+                metrics::label::rebalance::HANDED_OVER
             } else {
-                "kept"
+                metrics::label::rebalance::KEPT
             };
             metrics::REBALANCES.with_label_values(&[outcome]).inc();
         }

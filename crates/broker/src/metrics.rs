@@ -406,6 +406,71 @@ pub static CREATE_TO_PUSH: LazyLock<Histogram> = LazyLock::new(|| {
     )))
 });
 
+/// The label values of the broker's labelled counters, each named once: the places
+/// that count use these, and [`init`] puts every one on `/metrics` at 0.
+pub mod label {
+    /// The `outcome` of `courier_broker_leadership_handoffs_total`.
+    pub mod handoff {
+        pub const HANDED_OVER: &str = "handed_over";
+        pub const NO_FOLLOWER_CAUGHT_UP: &str = "no_follower_caught_up";
+        pub const REFUSED: &str = "refused";
+        pub const NOT_TAKEN_OVER: &str = "not_taken_over";
+        pub const ALL: [&str; 4] = [HANDED_OVER, NO_FOLLOWER_CAUGHT_UP, REFUSED, NOT_TAKEN_OVER];
+    }
+    /// The `outcome` of `courier_broker_leadership_rebalances_total`.
+    pub mod rebalance {
+        pub const HANDED_OVER: &str = "handed_over";
+        pub const KEPT: &str = "kept";
+        pub const ALL: [&str; 2] = [HANDED_OVER, KEPT];
+    }
+    /// The `outcome` of `courier_broker_elections_asked_total`.
+    pub mod election_asked {
+        pub const STARTED: &str = "started";
+        pub const REFUSED: &str = "refused";
+        pub const ALL: [&str; 2] = [STARTED, REFUSED];
+    }
+    /// The `reason` of `courier_broker_commands_rejected_total`.
+    pub mod rejected {
+        pub const QUEUE_FULL: &str = "queue_full";
+        pub const NOT_COMMITTED: &str = "not_committed";
+        pub const ALL: [&str; 2] = [QUEUE_FULL, NOT_COMMITTED];
+    }
+    /// The `outcome` of `courier_broker_finished_notices_total`.
+    pub mod finished_notice {
+        pub const SENT: &str = "sent";
+        pub const SENDER: &str = "sender";
+        pub const ALL: [&str; 2] = [SENT, SENDER];
+    }
+    /// The `outcome` of `courier_broker_push_attempts_total`, besides `refused_<reason>`.
+    pub mod push {
+        pub const ACCEPTED: &str = "accepted";
+        pub const UNKNOWN: &str = "unknown";
+        pub const ALL: [&str; 2] = [ACCEPTED, UNKNOWN];
+    }
+    /// The `source` of `courier_broker_yields_total`.
+    pub mod yield_source {
+        pub const ALL_REFUSED: &str = "all_refused";
+        pub const GATEWAY: &str = "gateway";
+        pub const LEFT_TO_TIMEOUT: &str = "left_to_timeout";
+        pub const ALL: [&str; 3] = [ALL_REFUSED, GATEWAY, LEFT_TO_TIMEOUT];
+    }
+    /// The `outcome` of `courier_broker_reconciled_pushes_total`.
+    pub mod reconciled {
+        pub const HELD: &str = "held";
+        pub const YIELDED: &str = "yielded";
+        pub const GATEWAY_GONE: &str = "gateway_gone";
+        pub const LEFT_TO_TIMEOUT: &str = "left_to_timeout";
+        pub const UNANSWERED: &str = "unanswered";
+        pub const ALL: [&str; 5] = [HELD, YIELDED, GATEWAY_GONE, LEFT_TO_TIMEOUT, UNANSWERED];
+    }
+    /// The `reason` of `courier_broker_empty_activations_total`.
+    pub mod empty_activation {
+        pub const NOTHING: &str = "nothing";
+        pub const CLAIMED: &str = "claimed";
+        pub const ALL: [&str; 2] = [NOTHING, CLAIMED];
+    }
+}
+
 /// Puts every broker metric on `/metrics` from the start: each counter with every
 /// label value it can have at 0, so a graph or an alert on rates sees 0 before the
 /// first event, not an absent series (the partition and link gauges appear with
@@ -441,33 +506,16 @@ pub fn init() {
     LazyLock::force(&POSITIONS);
     let refused = courier_proto::push_refusal::ALL.map(|r| format!("refused_{r}"));
     let labelled: [(&IntCounterVec, &[&str]); 10] = [
-        (
-            &HANDOFFS,
-            &[
-                "handed_over",
-                "no_follower_caught_up",
-                "refused",
-                "not_taken_over",
-            ],
-        ),
-        (&REBALANCES, &["handed_over", "kept"]),
-        (&ELECTIONS_ASKED, &["started", "refused"]),
-        (&REJECTED, &["queue_full", "not_committed"]),
-        (&FINISHED_NOTICES, &["sent", "sender"]),
-        (&PUSHES, &["accepted", "unknown"]),
+        (&HANDOFFS, &label::handoff::ALL),
+        (&REBALANCES, &label::rebalance::ALL),
+        (&ELECTIONS_ASKED, &label::election_asked::ALL),
+        (&REJECTED, &label::rejected::ALL),
+        (&FINISHED_NOTICES, &label::finished_notice::ALL),
+        (&PUSHES, &label::push::ALL),
         (&PUSHES, &refused.each_ref().map(String::as_str)),
-        (&YIELDS, &["all_refused", "gateway", "left_to_timeout"]),
-        (
-            &RECONCILED,
-            &[
-                "held",
-                "yielded",
-                "gateway_gone",
-                "left_to_timeout",
-                "unanswered",
-            ],
-        ),
-        (&EMPTY_ACTIVATIONS, &["nothing", "claimed"]),
+        (&YIELDS, &label::yield_source::ALL),
+        (&RECONCILED, &label::reconciled::ALL),
+        (&EMPTY_ACTIVATIONS, &label::empty_activation::ALL),
     ];
     for (counter, values) in labelled {
         for v in values {

@@ -8,7 +8,7 @@ use crate::claims::{Claims, Outlook};
 use crate::engine::{
     Batch, Effect, FlushSignal, Handed, LogCommand, Push, PushOrigin, PushTarget, Recipient,
 };
-use crate::metrics;
+use crate::metrics::{self, label};
 use crate::raft::Raft;
 use crate::registry::{JobStreamRegistry, PushOutcome, SentPush};
 use crate::store::sm::SharedState;
@@ -477,7 +477,7 @@ impl Partition {
                         then_what(only)
                     );
                     metrics::HANDOFFS
-                        .with_label_values(&["no_follower_caught_up"])
+                        .with_label_values(&[label::handoff::NO_FOLLOWER_CAUGHT_UP])
                         .inc();
                     return None;
                 }
@@ -506,7 +506,9 @@ impl Partition {
                 },
                 then_what(only)
             );
-            metrics::HANDOFFS.with_label_values(&["refused"]).inc();
+            metrics::HANDOFFS
+                .with_label_values(&[label::handoff::REFUSED])
+                .inc();
             return None;
         };
         let led_by_another = |m: &openraft::RaftMetrics<NodeId, openraft::BasicNode>| {
@@ -520,14 +522,16 @@ impl Partition {
                 if let Some(to) = leader {
                     tracing::info!(to, "partition handed over");
                 }
-                metrics::HANDOFFS.with_label_values(&["handed_over"]).inc();
+                metrics::HANDOFFS
+                    .with_label_values(&[label::handoff::HANDED_OVER])
+                    .inc();
                 leader
             }
             Ok(Err(_)) => None,
             Err(_) => {
                 tracing::warn!(to, "the follower did not take the partition over in time");
                 metrics::HANDOFFS
-                    .with_label_values(&["not_taken_over"])
+                    .with_label_values(&[label::handoff::NOT_TAKEN_OVER])
                     .inc();
                 None
             }
@@ -554,7 +558,7 @@ impl Partition {
         };
         if let Some(why) = refusal {
             metrics::ELECTIONS_ASKED
-                .with_label_values(&["refused"])
+                .with_label_values(&[label::election_asked::REFUSED])
                 .inc();
             return Err(format!("partition {}: {why}", self.id));
         }
@@ -564,7 +568,7 @@ impl Partition {
             "standing for election: the leader hands the partition over (it is stopping, or this broker is the partition's preferred leader)"
         );
         metrics::ELECTIONS_ASKED
-            .with_label_values(&["started"])
+            .with_label_values(&[label::election_asked::STARTED])
             .inc();
         self.longer_log.clear();
         self.raft
@@ -659,8 +663,8 @@ impl Partition {
                     applied.state.queued(&props.job_type, t)
                 });
                 match outlook {
-                    Outlook::Nothing => return Err("nothing"),
-                    Outlook::Claimed => return Err("claimed"),
+                    Outlook::Nothing => return Err(label::empty_activation::NOTHING),
+                    Outlook::Claimed => return Err(label::empty_activation::CLAIMED),
                     Outlook::Jobs => {}
                 }
             }
@@ -794,7 +798,9 @@ impl Partition {
             .map_err(|e| match e {
                 mpsc::error::TrySendError::Full(p) => {
                     self.refund_targets(&p.cmd);
-                    metrics::REJECTED.with_label_values(&["queue_full"]).inc();
+                    metrics::REJECTED
+                        .with_label_values(&[label::rejected::QUEUE_FULL])
+                        .inc();
                     BrokerError::ResourceExhausted(format!(
                         "partition {} has {QUEUE_CAPACITY} commands waiting; retry later",
                         self.id
@@ -1138,7 +1144,7 @@ async fn write(p: Arc<Partition>, batch: Vec<Proposal>, on_flushed: FlushSignal,
                 p.registry.refund(&r, n);
             }
             metrics::REJECTED
-                .with_label_values(&["not_committed"])
+                .with_label_values(&[label::rejected::NOT_COMMITTED])
                 .inc();
             for tx in replies {
                 let _ = tx.send(Err(err.clone()));
@@ -1198,11 +1204,13 @@ fn carry_out(
                     // credit when the command came through it.
                     if ends_from.get(&key).is_some_and(|g| link.is_gateway(g)) {
                         metrics::FINISHED_NOTICES
-                            .with_label_values(&["sender"])
+                            .with_label_values(&[label::finished_notice::SENDER])
                             .inc();
                         continue;
                     }
-                    metrics::FINISHED_NOTICES.with_label_values(&["sent"]).inc();
+                    metrics::FINISHED_NOTICES
+                        .with_label_values(&[label::finished_notice::SENT])
+                        .inc();
                     link.send(BrokerMessage {
                         kind: Some(broker_message::Kind::Finished(JobFinished {
                             key: key.0,
@@ -1279,7 +1287,9 @@ async fn finish_push(
             };
             match outcome {
                 PushOutcome::Accepted => {
-                    metrics::PUSHES.with_label_values(&["accepted"]).inc();
+                    metrics::PUSHES
+                        .with_label_values(&[label::push::ACCEPTED])
+                        .inc();
                     return;
                 }
                 PushOutcome::Refused(reason) => {
@@ -1296,7 +1306,9 @@ async fn finish_push(
                 PushOutcome::Unknown => {
                     // The entry stays: the gateway may hold the job, and is told
                     // when its activation ends.
-                    metrics::PUSHES.with_label_values(&["unknown"]).inc();
+                    metrics::PUSHES
+                        .with_label_values(&[label::push::UNKNOWN])
+                        .inc();
                     return;
                 }
             }
@@ -1441,11 +1453,11 @@ async fn run_yields(p: Arc<Partition>, shutdown: CancellationToken) {
         let (due, late): (Vec<_>, Vec<_>) = batch.into_iter().partition(|(_, _, d)| *d > soon);
         if !late.is_empty() {
             metrics::YIELDS
-                .with_label_values(&["left_to_timeout"])
+                .with_label_values(&[label::yield_source::LEFT_TO_TIMEOUT])
                 .inc_by(late.len() as u64);
         }
         metrics::YIELDS
-            .with_label_values(&["all_refused"])
+            .with_label_values(&[label::yield_source::ALL_REFUSED])
             .inc_by(due.len() as u64);
         // Submitted together, so the proposer puts them in one entry.
         let proposals = due
@@ -1597,7 +1609,7 @@ async fn held_by_none(p: &Partition, jobs: Vec<Handed>) -> Option<Vec<Handed>> {
                 "a gateway did not answer about earlier pushes; leaving them to their deadlines"
             );
             metrics::RECONCILED
-                .with_label_values(&["unanswered"])
+                .with_label_values(&[label::reconciled::UNANSWERED])
                 .inc_by(jobs.len() as u64);
             return None;
         };
@@ -1616,10 +1628,10 @@ async fn held_by_none(p: &Partition, jobs: Vec<Handed>) -> Option<Vec<Handed>> {
     };
     let gone = lost.iter().filter(|e| !linked(e)).count();
     for (outcome, n) in [
-        ("held", kept.len()),
-        ("yielded", lost.len() - gone),
-        ("gateway_gone", gone),
-        ("left_to_timeout", waiting.len()),
+        (label::reconciled::HELD, kept.len()),
+        (label::reconciled::YIELDED, lost.len() - gone),
+        (label::reconciled::GATEWAY_GONE, gone),
+        (label::reconciled::LEFT_TO_TIMEOUT, waiting.len()),
     ] {
         metrics::RECONCILED
             .with_label_values(&[outcome])

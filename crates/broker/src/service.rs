@@ -358,7 +358,9 @@ fn on_gateway_message(
                 );
                 return;
             };
-            metrics::YIELDS.with_label_values(&["gateway"]).inc();
+            metrics::YIELDS
+                .with_label_values(&[metrics::label::yield_source::GATEWAY])
+                .inc();
             // Paced like every yield; its deadline is unknown here, so never skipped.
             p.queue_yield(JobKey(y.key), y.lease, i64::MAX);
         }
