@@ -242,18 +242,9 @@ async fn killing_a_leader_mid_load_loses_no_acknowledged_job() {
     let victim = leaders[&1];
     cluster.kill_broker(victim);
     let killed_at = Instant::now();
-    wait_until(
-        Duration::from_secs(5),
-        "partition 1 has a new leader",
-        || async {
-            cluster
-                .leaders()
-                .await
-                .get(&1)
-                .is_some_and(|l| *l != victim)
-        },
-    )
-    .await;
+    cluster
+        .wait_led_by_another(1, victim, Duration::from_secs(5))
+        .await;
     let failover = killed_at.elapsed();
     let before = acked.lock().expect("lock").len();
     wait_until(Duration::from_secs(10), "creates succeed again", || async {

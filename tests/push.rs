@@ -1640,41 +1640,14 @@ async fn more_acked(acked: &Mutex<Vec<i64>>, n: usize, what: &str) {
     .await;
 }
 
-/// The broker leading `partition` (waited for: a leadership can be on its way back
-/// to its preferred broker).
-async fn leader_of(cluster: &Cluster, partition: u32) -> u64 {
-    let leader = Mutex::new(None);
-    wait_until(
-        Duration::from_secs(10),
-        "the partition has a leader",
-        || async {
-            let l = cluster.leaders().await.get(&partition).copied();
-            *leader.lock().unwrap() = l;
-            l.is_some()
-        },
-    )
-    .await;
-    let l = leader.lock().unwrap().expect("a leader");
-    l
-}
-
 /// Kills the leader of `partition`, waits for another broker to lead it, and
 /// restarts the one killed.
 async fn kill_leader_and_restart(cluster: &mut Cluster, partition: u32) {
-    let victim = leader_of(cluster, partition).await;
+    let victim = cluster.leader_of(partition).await;
     cluster.kill_broker(victim);
-    wait_until(
-        Duration::from_secs(10),
-        "another broker leads the partition",
-        || async {
-            cluster
-                .leaders()
-                .await
-                .get(&partition)
-                .is_some_and(|l| *l != victim)
-        },
-    )
-    .await;
+    cluster
+        .wait_led_by_another(partition, victim, Duration::from_secs(10))
+        .await;
     cluster.start_broker(victim);
 }
 
@@ -1726,7 +1699,7 @@ async fn every_job_is_completed_while_brokers_and_a_gateway_die_one_after_anothe
     cluster.start_gateway(0);
     cluster.wait_for_leaders(Duration::from_secs(20)).await;
     more_acked(&acked, 200, "jobs flow after the gateway came back").await;
-    let a = leader_of(&cluster, 3).await;
+    let a = cluster.leader_of(3).await;
     let b = a % 3 + 1;
     cluster.kill_broker(a);
     cluster.kill_broker(b);

@@ -489,6 +489,39 @@ impl Cluster {
         out
     }
 
+    /// The broker leading `partition`, waited for (10 s at most): leadership can be
+    /// on its way, e.g. back to the partition's preferred broker.
+    pub async fn leader_of(&self, partition: u32) -> u64 {
+        let leader = std::sync::Mutex::new(None);
+        wait_until(
+            Duration::from_secs(10),
+            "the partition has a leader",
+            || async {
+                let l = self.leaders().await.get(&partition).copied();
+                *leader.lock().expect("lock") = l;
+                l.is_some()
+            },
+        )
+        .await;
+        let l = leader.lock().expect("lock").expect("a leader");
+        l
+    }
+
+    /// Waits (`within` at most) until a broker other than `old` leads `partition`.
+    pub async fn wait_led_by_another(&self, partition: u32, old: u64, within: Duration) {
+        wait_until(
+            within,
+            &format!("a broker other than {old} leads partition {partition}"),
+            || async {
+                self.leaders()
+                    .await
+                    .get(&partition)
+                    .is_some_and(|l| *l != old)
+            },
+        )
+        .await;
+    }
+
     /// Waits until every partition has a leader and the gateway answers.
     pub async fn wait_for_leaders(&self, within: Duration) {
         let partitions = self.opts.partitions as usize;
