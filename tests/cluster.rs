@@ -1279,6 +1279,32 @@ async fn a_leader_without_a_majority_reports_it_and_refuses_commands_at_once() {
         },
     )
     .await;
+    // `courier status` says which brokers are silent and which replicas they hold.
+    let addr = cluster.gateway_addr.clone();
+    let silent_rows = |followers: Vec<u64>| {
+        let addr = addr.clone();
+        async move {
+            let out = tokio::process::Command::new(common::courier_bin())
+                .args(["status", "--address", &addr])
+                .output()
+                .await
+                .expect("courier status");
+            assert!(out.status.success(), "{out:?}");
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            followers.iter().all(|f| {
+                text.lines().any(|l| {
+                    l.starts_with(&format!("{f} "))
+                        && l.ends_with("no answer: down or unreachable (replicas of 1)")
+                })
+            })
+        }
+    };
+    wait_until(
+        Duration::from_secs(10),
+        "courier status names the brokers that are down",
+        || silent_rows(followers.clone()),
+    )
+    .await;
     let once = c.clone().with_retry_budget(Duration::ZERO);
     let e = unavailable_at_once(once.create_job(NewJob::new("no-majority"))).await;
     assert!(e.to_string().contains("lost its majority"), "{e}");

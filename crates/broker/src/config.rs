@@ -1,7 +1,7 @@
 //! A broker's static configuration and the placement of partition replicas.
 
 use crate::store::Durability;
-use courier_proto::domain::NodeId;
+use courier_proto::domain::{replicas_of, NodeId};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -106,7 +106,6 @@ impl BrokerConfig {
         )
     }
 
-    /// The brokers holding `partition`, round-robin over brokers ordered by id.
     /// The replica that should lead `partition` when it can: the first of its
     /// placement. Placement starts each partition on the next broker, so the
     /// preferred leaders spread evenly over the brokers.
@@ -114,15 +113,11 @@ impl BrokerConfig {
         self.replicas(partition).first().copied()
     }
 
+    /// The brokers holding `partition`, round-robin over brokers ordered by id
+    /// ([`replicas_of`]).
     pub fn replicas(&self, partition: u32) -> Vec<NodeId> {
         let ids: Vec<NodeId> = self.brokers.keys().copied().collect();
-        if ids.is_empty() {
-            return Vec::new();
-        }
-        let start = (partition.saturating_sub(1) as usize) % ids.len();
-        (0..self.replication_factor as usize)
-            .map(|i| ids[(start + i) % ids.len()])
-            .collect()
+        replicas_of(&ids, partition, self.replication_factor)
     }
 
     /// Entries between two snapshots of `partition` on this broker: `snapshot_every`

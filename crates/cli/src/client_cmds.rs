@@ -2,6 +2,7 @@
 //! Errors come back as `CODE: message` (the client's error text), which `main` prints.
 
 use courier_client::{ActivateJobs, ActivatedJob, Client, Job, JobState, NewJob, TopologyResponse};
+use courier_proto::domain::replicas_of;
 use courier_proto::gateway_protocol::partition::{PartitionBrokerHealth, PartitionBrokerRole};
 use futures::StreamExt;
 use serde_json::{json, Value};
@@ -634,18 +635,29 @@ fn render_topology(t: &TopologyResponse) -> String {
                 )
             })
             .collect();
-        // The gateway lists a broker that did not answer it without partitions.
-        let partitions = if partitions.is_empty() {
-            "none reported".to_string()
-        } else {
+        // The gateway lists a broker that did not answer its last round without
+        // partitions (and one that never answered without a version).
+        let partitions = if !partitions.is_empty() {
             partitions.join(", ")
+        } else {
+            let held = placed_on(t, &brokers, b.node_id);
+            if held.is_empty() {
+                "none (holds no replica)".to_string()
+            } else {
+                format!("no answer: down or unreachable (replicas of {held})")
+            }
+        };
+        let version = if b.version.is_empty() {
+            "-"
+        } else {
+            &b.version
         };
         let _ = writeln!(
             out,
             "{:<6}  {:<width$}  {:<7}  {}",
             b.node_id,
             address(b),
-            b.version,
+            version,
             partitions
         );
     }
@@ -677,6 +689,29 @@ fn render_topology(t: &TopologyResponse) -> String {
         let _ = writeln!(out, "{id:<9}  {leader}");
     }
     out
+}
+
+/// The partitions whose replicas the cluster places on broker `node`, as a list
+/// (`1, 3`): brokers place them round-robin over every broker's id.
+fn placed_on(
+    t: &TopologyResponse,
+    brokers: &[&courier_proto::gateway_protocol::BrokerInfo],
+    node: i32,
+) -> String {
+    let (Ok(node), Ok(rf)) = (u64::try_from(node), u32::try_from(t.replication_factor)) else {
+        return String::new();
+    };
+    let mut ids: Vec<u64> = brokers
+        .iter()
+        .filter_map(|b| u64::try_from(b.node_id).ok())
+        .collect();
+    ids.sort_unstable();
+    let partitions = u32::try_from(t.partitions_count).unwrap_or(0);
+    (1..=partitions)
+        .filter(|&p| replicas_of(&ids, p, rf).contains(&node))
+        .map(|p| p.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Epoch milliseconds as UTC ISO 8601 (`2023-11-14T22:13:20.123Z`); `-` for 0, which
@@ -988,13 +1023,13 @@ mod tests {
                     partitions: vec![partition(1, Leader), partition(2, Follower)],
                     version: "0.1.0".into(),
                 },
-                // Did not answer the gateway.
+                // Has never answered the gateway.
                 BrokerInfo {
                     node_id: 2,
                     host: "10.0.0.3".into(),
                     port: 26501,
                     partitions: vec![],
-                    version: "0.1.0".into(),
+                    version: String::new(),
                 },
             ],
             cluster_size: 3,
@@ -1012,7 +1047,7 @@ gateway version     0.1.0
 BROKER  ADDRESS         VERSION  PARTITIONS
 0       10.0.0.1:26501  0.1.0    1 leader healthy, 2 follower healthy
 1       10.0.0.2:26501  0.1.0    1 follower healthy, 2 follower healthy
-2       10.0.0.3:26501  0.1.0    none reported
+2       10.0.0.3:26501  -        no answer: down or unreachable (replicas of 2, 3)
 
 PARTITION  LEADER
 1          broker 0 (10.0.0.1:26501)
@@ -1025,6 +1060,43 @@ PARTITION  LEADER
         assert_eq!(v["partitionsCount"], 3);
         assert_eq!(v["brokers"][1]["partitions"][0]["role"], "LEADER");
         assert_eq!(v["brokers"][1]["partitions"][0]["health"], "HEALTHY");
+    }
+
+    #[test]
+    fn a_silent_broker_is_told_apart_from_one_without_replicas() {
+        let broker = |node_id: i32, partitions| BrokerInfo {
+            node_id,
+            host: "127.0.0.1".into(),
+            port: 26600 + node_id,
+            partitions,
+            version: "0.1.0".into(),
+        };
+        // Four brokers, two partitions, one replica each: brokers 3 and 4 hold none.
+        let t = TopologyResponse {
+            brokers: vec![
+                broker(1, vec![partition(1, PartitionBrokerRole::Leader)]),
+                broker(2, vec![]),
+                broker(3, vec![]),
+                broker(4, vec![]),
+            ],
+            cluster_size: 4,
+            partitions_count: 2,
+            replication_factor: 1,
+            gateway_version: "0.1.0".into(),
+        };
+        let text = render_topology(&t);
+        assert!(
+            text.contains("2       127.0.0.1:26602  0.1.0    no answer: down or unreachable (replicas of 2)\n"),
+            "{text}"
+        );
+        for node in [3, 4] {
+            assert!(
+                text.contains(&format!(
+                    "{node}       127.0.0.1:2660{node}  0.1.0    none (holds no replica)\n"
+                )),
+                "{text}"
+            );
+        }
     }
 
     #[test]

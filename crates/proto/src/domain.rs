@@ -32,6 +32,21 @@ pub const DEFAULT_RETRIES: i32 = 3;
 /// A broker's id in the static cluster configuration.
 pub type NodeId = u64;
 
+/// The brokers holding `partition`'s replicas: `replication_factor` brokers, taken
+/// round-robin from `brokers` (every broker's id, in ascending order), starting each
+/// partition on the next broker so that preferred leaders (the first of each list)
+/// spread evenly. Brokers place replicas by it; `courier status` uses it to name the
+/// replicas of a broker that did not answer.
+pub fn replicas_of(brokers: &[NodeId], partition: u32, replication_factor: u32) -> Vec<NodeId> {
+    if brokers.is_empty() {
+        return Vec::new();
+    }
+    let start = (partition.saturating_sub(1) as usize) % brokers.len();
+    (0..replication_factor as usize)
+        .map(|i| brokers[(start + i) % brokers.len()])
+        .collect()
+}
+
 /// A partition's id; partitions are numbered from 1.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct PartitionId(pub u32);
