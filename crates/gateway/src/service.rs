@@ -883,9 +883,14 @@ pub fn zeebe_topology(view: &ClusterView) -> gw::TopologyResponse {
                 .flatten()
                 .map(|p| {
                     let known = view.leaders.get(&p.partition).map(|l| l.node);
+                    // As Zeebe's brokers do, a replica that is not leading and
+                    // still takes part (standing for election, or catching up as
+                    // a learner) is a follower; one shutting down is inactive.
                     let role = match (p.role.as_str(), known) {
                         (_, Some(leader)) if leader == node => Role::Leader,
-                        ("leader", Some(_)) | ("follower", _) => Role::Follower,
+                        ("leader", Some(_)) | ("follower" | "candidate" | "learner", _) => {
+                            Role::Follower
+                        }
                         ("leader", None) => Role::Leader,
                         _ => Role::Inactive,
                     };
@@ -1322,7 +1327,7 @@ mod tests {
         view.reports
             .insert(1, vec![report(1, "leader"), report(2, "candidate")]);
         view.reports
-            .insert(2, vec![report(1, "follower"), report(2, "follower")]);
+            .insert(2, vec![report(1, "follower"), report(2, "shutdown")]);
         view.leaders
             .insert(PartitionId(1), Leader { node: 1, term: 3 });
         view.versions.insert(1, "0.9.0".into());
@@ -1346,10 +1351,11 @@ mod tests {
             parts,
             vec![
                 (1, R::Leader as i32, H::Healthy as i32),
-                (2, R::Inactive as i32, H::Unhealthy as i32)
+                (2, R::Follower as i32, H::Unhealthy as i32)
             ]
         );
         assert_eq!(t.brokers[1].partitions[0].role, R::Follower as i32);
+        assert_eq!(t.brokers[1].partitions[1].role, R::Inactive as i32);
         assert!(t.brokers[2].partitions.is_empty());
         // Each broker's own version, as it reported it.
         let versions: Vec<&str> = t.brokers.iter().map(|b| b.version.as_str()).collect();
