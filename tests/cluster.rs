@@ -790,6 +790,82 @@ async fn a_cluster_restarted_on_new_addresses_keeps_its_jobs() {
 }
 
 /// Creates a job and activates it: the cluster behind `c` does its work.
+/// A CLI command run before its gateway is up waits for it within its retry
+/// budget, says once why it waits, and goes through once `courier dev` is up. With
+/// no budget it fails at once, without the warning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cli_command_says_it_waits_for_a_gateway_that_is_not_up_yet() {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt};
+    let _g = serial().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let gateway = format!("127.0.0.1:{}", free_port());
+    let out = tokio::process::Command::new(common::courier_bin())
+        .args(["job", "create", "early", "--address", &gateway])
+        .args(["--retry-budget", "0s"])
+        .env_remove("RUST_LOG")
+        .output()
+        .await
+        .expect("run courier");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("UNAVAILABLE") && !err.contains("no answer yet"),
+        "{err}"
+    );
+
+    // Started once the waiting command has said why it waits.
+    let mut waiting = tokio::process::Command::new(common::courier_bin())
+        .args(["job", "create", "early", "--address", &gateway])
+        .args(["--retry-budget", "60s"])
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run courier");
+    let mut stderr = tokio::io::BufReader::new(waiting.stderr.take().expect("stderr"));
+    let mut err = String::new();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !err.contains("no answer yet") {
+            let read = stderr.read_line(&mut err).await.expect("read stderr");
+            assert!(read > 0, "stderr closed: {err}");
+        }
+    })
+    .await
+    .expect("the warning within 10 s");
+    let mut dev = Proc::spawn(
+        &dev_args(dir.path(), &gateway, "off"),
+        dir.path().join("dev.log"),
+    );
+    stderr.read_to_string(&mut err).await.expect("read stderr");
+    let out = tokio::time::timeout(Duration::from_secs(60), waiting.wait_with_output())
+        .await
+        .expect("the command ends within its budget")
+        .expect("run courier");
+    assert!(out.status.success(), "{err}");
+    assert_eq!(err.matches("no answer yet").count(), 1, "{err}");
+    assert!(err.contains("retrying for up to"), "{err}");
+    let key: i64 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("the job's key");
+    let c = Client::connect(&gateway).expect("client");
+    assert_eq!(state_of(&c, key).await, Ok(JobState::Activatable));
+    assert!(dev.terminate(Duration::from_secs(10)), "dev exit status");
+}
+
+/// `courier dev` with its data in `dir`, on the given gateway and metrics addresses.
+fn dev_args(dir: &std::path::Path, gateway: &str, metrics: &str) -> Vec<String> {
+    vec![
+        "dev".into(),
+        "--data-dir".into(),
+        dir.join("data").display().to_string(),
+        "--gateway-addr".into(),
+        gateway.into(),
+        "--metrics-addr".into(),
+        metrics.into(),
+    ]
+}
+
 async fn create_and_activate_one(c: &Client) {
     let key = c.create_job(NewJob::new("one")).await.expect("create").key;
     let got = activate_n(c, poll("one", 1), 1, Duration::from_secs(10)).await;
@@ -810,15 +886,7 @@ async fn worker_threads_size_the_runtime_of_every_process() {
         let dir = tempfile::tempdir().expect("temp dir");
         let gateway = format!("127.0.0.1:{}", free_port());
         let metrics = format!("127.0.0.1:{}", free_port());
-        let mut args: Vec<String> = vec![
-            "dev".into(),
-            "--data-dir".into(),
-            dir.path().join("data").display().to_string(),
-            "--gateway-addr".into(),
-            gateway.clone(),
-            "--metrics-addr".into(),
-            metrics.clone(),
-        ];
+        let mut args = dev_args(dir.path(), &gateway, &metrics);
         if let Some(n) = extra {
             args.extend(["--worker-threads".into(), n.into()]);
         }

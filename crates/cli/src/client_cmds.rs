@@ -153,6 +153,9 @@ pub enum JobCmd {
 
 /// Runs one job command against the gateway.
 pub async fn job(opts: ClientOpts, cmd: JobCmd) -> anyhow::Result<()> {
+    // The client's warnings (a call still retrying while the gateway does not
+    // answer) on stderr; `RUST_LOG` shows more.
+    crate::servers::init_tracing("warn");
     let client = opts.client()?;
     let json = opts.json;
     match cmd {
@@ -303,6 +306,7 @@ pub async fn job(opts: ClientOpts, cmd: JobCmd) -> anyhow::Result<()> {
 
 /// Prints the cluster's topology.
 pub async fn status(opts: ClientOpts) -> anyhow::Result<()> {
+    crate::servers::init_tracing("warn");
     let client = opts.client()?;
     let topology = client.topology().await?;
     if opts.json {

@@ -50,7 +50,7 @@ impl ClientError {
 
 /// `CODE: message`, plus the innermost cause when the transport failed (for example
 /// `Connection refused`), which is the part that says what went wrong.
-fn status_text(status: &tonic::Status) -> String {
+pub(crate) fn status_text(status: &tonic::Status) -> String {
     // A server without the method says nothing more; the usual cause is an address
     // that is not a gateway's (a broker's, or another service's).
     let message = if status.code() == Code::Unimplemented && status.message().is_empty() {

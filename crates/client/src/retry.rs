@@ -72,9 +72,15 @@ pub fn never_sent(status: &Status) -> bool {
     false
 }
 
+/// How long a call retries before it says so, once, as a warning: a person who ran
+/// a command against a gateway that is not up sees why it waits, where a leader
+/// change (well under this) stays quiet.
+pub const RETRY_NOTICE_AFTER: Duration = Duration::from_secs(1);
+
 /// Runs `call` until it succeeds, fails with a code that is not retryable, or
 /// `budget` has passed since the first attempt; then returns the last outcome. The
 /// last sleep is shortened to end at the budget, so one attempt is made right at it.
+/// A call still retrying after [`RETRY_NOTICE_AFTER`] logs one warning.
 pub(crate) async fn with_retries<T, F, Fut>(
     backoff: Backoff,
     budget: Duration,
@@ -86,6 +92,7 @@ where
 {
     let start = Instant::now();
     let mut attempt = 0u32;
+    let mut noticed = false;
     loop {
         let status = match call().await {
             Ok(v) => return Ok(v),
@@ -95,6 +102,14 @@ where
         let left = budget.saturating_sub(start.elapsed());
         if left.is_zero() {
             return Err(status);
+        }
+        if !noticed && start.elapsed() >= RETRY_NOTICE_AFTER {
+            noticed = true;
+            tracing::warn!(
+                "no answer yet ({}); retrying for up to {:.0?} more",
+                crate::error::status_text(&status),
+                left
+            );
         }
         let delay = backoff.delay(attempt, &mut rand::rng()).min(left);
         tracing::debug!(code = ?status.code(), message = status.message(), ?delay, attempt, "retrying");
