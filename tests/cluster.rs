@@ -789,7 +789,6 @@ async fn a_cluster_restarted_on_new_addresses_keeps_its_jobs() {
     assert_eq!(got, keys.iter().copied().collect::<BTreeSet<_>>());
 }
 
-/// Creates a job and activates it: the cluster behind `c` does its work.
 /// A CLI command run before its gateway is up waits for it within its retry
 /// budget, says once why it waits, and goes through once `courier dev` is up. With
 /// no budget it fails at once, without the warning.
@@ -799,13 +798,14 @@ async fn a_cli_command_says_it_waits_for_a_gateway_that_is_not_up_yet() {
     let _g = serial().await;
     let dir = tempfile::tempdir().expect("temp dir");
     let gateway = format!("127.0.0.1:{}", free_port());
-    let out = tokio::process::Command::new(common::courier_bin())
-        .args(["job", "create", "early", "--address", &gateway])
-        .args(["--retry-budget", "0s"])
-        .env_remove("RUST_LOG")
-        .output()
-        .await
-        .expect("run courier");
+    let create = |budget: &str| {
+        let mut c = tokio::process::Command::new(common::courier_bin());
+        c.args(["job", "create", "early", "--address", &gateway])
+            .args(["--retry-budget", budget])
+            .env_remove("RUST_LOG");
+        c
+    };
+    let out = create("0s").output().await.expect("run courier");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(
@@ -814,10 +814,7 @@ async fn a_cli_command_says_it_waits_for_a_gateway_that_is_not_up_yet() {
     );
 
     // Started once the waiting command has said why it waits.
-    let mut waiting = tokio::process::Command::new(common::courier_bin())
-        .args(["job", "create", "early", "--address", &gateway])
-        .args(["--retry-budget", "60s"])
-        .env_remove("RUST_LOG")
+    let mut waiting = create("60s")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -866,6 +863,7 @@ fn dev_args(dir: &std::path::Path, gateway: &str, metrics: &str) -> Vec<String> 
     ]
 }
 
+/// Creates a job and activates it: the cluster behind `c` does its work.
 async fn create_and_activate_one(c: &Client) {
     let key = c.create_job(NewJob::new("one")).await.expect("create").key;
     let got = activate_n(c, poll("one", 1), 1, Duration::from_secs(10)).await;

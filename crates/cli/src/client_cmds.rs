@@ -153,9 +153,6 @@ pub enum JobCmd {
 
 /// Runs one job command against the gateway.
 pub async fn job(opts: ClientOpts, cmd: JobCmd) -> anyhow::Result<()> {
-    // The client's warnings (a call still retrying while the gateway does not
-    // answer) on stderr; `RUST_LOG` shows more.
-    crate::servers::init_tracing("warn");
     let client = opts.client()?;
     let json = opts.json;
     match cmd {
@@ -306,7 +303,6 @@ pub async fn job(opts: ClientOpts, cmd: JobCmd) -> anyhow::Result<()> {
 
 /// Prints the cluster's topology.
 pub async fn status(opts: ClientOpts) -> anyhow::Result<()> {
-    crate::servers::init_tracing("warn");
     let client = opts.client()?;
     let topology = client.topology().await?;
     if opts.json {
@@ -644,7 +640,7 @@ fn render_topology(t: &TopologyResponse) -> String {
         let partitions = if !partitions.is_empty() {
             partitions.join(", ")
         } else {
-            let held = placed_on(t, &brokers, b.node_id);
+            let held = placed_on(t, b.node_id);
             if held.is_empty() {
                 "none (holds no replica)".to_string()
             } else {
@@ -697,15 +693,12 @@ fn render_topology(t: &TopologyResponse) -> String {
 
 /// The partitions whose replicas the cluster places on broker `node`, as a list
 /// (`1, 3`): brokers place them round-robin over every broker's id.
-fn placed_on(
-    t: &TopologyResponse,
-    brokers: &[&courier_proto::gateway_protocol::BrokerInfo],
-    node: i32,
-) -> String {
+fn placed_on(t: &TopologyResponse, node: i32) -> String {
     let (Ok(node), Ok(rf)) = (u64::try_from(node), u32::try_from(t.replication_factor)) else {
         return String::new();
     };
-    let mut ids: Vec<u64> = brokers
+    let mut ids: Vec<u64> = t
+        .brokers
         .iter()
         .filter_map(|b| u64::try_from(b.node_id).ok())
         .collect();

@@ -103,6 +103,12 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
+    if cli.cmd.is_client() {
+        // The client side's warnings on stderr: a stream that broke, a poll that
+        // failed, a call still retrying while the gateway does not answer.
+        // `RUST_LOG` shows more. The servers set up their own logging.
+        servers::init_tracing("warn");
+    }
     let result = runtime.block_on(async move {
         match cli.cmd {
             Cmd::Dev(a) => servers::dev(a).await,
@@ -123,6 +129,15 @@ fn main() -> std::process::ExitCode {
 }
 
 impl Cmd {
+    /// Whether this is a command of the client side (a job command, a worker,
+    /// status) rather than a server.
+    fn is_client(&self) -> bool {
+        matches!(
+            self,
+            Cmd::Job { .. } | Cmd::Worker { .. } | Cmd::Status { .. }
+        )
+    }
+
     /// The runtime's worker threads: what the servers were told, else tokio's
     /// default (`TOKIO_WORKER_THREADS`, else one per CPU).
     fn worker_threads(&self) -> Option<usize> {

@@ -57,9 +57,6 @@ pub struct WorkerArgs {
 /// Runs the worker until Ctrl-C or SIGTERM, then shuts it down gracefully and prints
 /// what it did.
 pub async fn worker(opts: ClientOpts, args: WorkerArgs) -> anyhow::Result<()> {
-    // Warnings of the worker (a stream that broke, a poll that failed); `RUST_LOG`
-    // shows more.
-    crate::servers::init_tracing("warn");
     let json = opts.json;
     let command = Arc::new(args.handler);
     let worker = JobWorker::builder(opts.client()?, &args.job_type, move |job| {
