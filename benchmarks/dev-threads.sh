@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `courier dev` on its default runtime (one worker thread per CPU) against
-# `--worker-threads 1`, in alternating rounds with the same binary, so that a slow
+# `courier dev` on one runtime worker thread (its default) against two (one per CPU
+# on this 2-core machine), in alternating rounds with the same binary, so that a slow
 # spell of this shared machine falls on both arms alike. Each round starts a fresh
 # dev per arm and measures push and poll, one job at a time and at 1,000 jobs/s.
 #   ROUNDS=5 bash benchmarks/dev-threads.sh     (about 90 s a round)
@@ -15,12 +15,12 @@ cleanup() { if [[ -n $PID ]]; then kill "$PID" 2>/dev/null || true; wait "$PID" 
 trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-echo "| round | runtime | push unloaded p50 | poll unloaded p50 | push p99 at 1000/s | poll p99 at 1000/s |"
+echo "| round | worker threads | push unloaded p50 | poll unloaded p50 | push p99 at 1000/s | poll p99 at 1000/s |"
 echo "|---|---|---|---|---|---|"
 for round in $(seq 1 "${ROUNDS:-4}"); do
-  for arm in default one; do
+  for arm in 1 2; do
     addr="127.0.0.1:$(free_port)"
-    threads=(); [[ $arm == one ]] && threads=(--worker-threads 1)
+    threads=(--worker-threads "$arm")
     rm -rf "$WORK/data"
     "$BIN/courier" dev --data-dir "$WORK/data" --gateway-addr "$addr" --metrics-addr off "${threads[@]}" >"$WORK/dev.log" 2>&1 &
     PID=$!

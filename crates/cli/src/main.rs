@@ -138,11 +138,11 @@ impl Cmd {
         )
     }
 
-    /// The runtime's worker threads: what the servers were told, else tokio's
-    /// default (`TOKIO_WORKER_THREADS`, else one per CPU).
+    /// The runtime's worker threads: what the servers were told, else dev's own
+    /// default and tokio's for the rest (`TOKIO_WORKER_THREADS`, else one per CPU).
     fn worker_threads(&self) -> Option<usize> {
         match self {
-            Cmd::Dev(a) => a.runtime.worker_threads(),
+            Cmd::Dev(a) => Some(a.runtime.worker_threads()),
             Cmd::Broker(a) => a.runtime.worker_threads(),
             Cmd::Gateway(a) => a.runtime.worker_threads(),
             Cmd::Job { .. } | Cmd::Worker { .. } | Cmd::Status { .. } => None,
