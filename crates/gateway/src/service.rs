@@ -1002,7 +1002,7 @@ where
     }
 }
 
-/// Courier's producer service./// Courier's producer service.
+/// Courier's producer service.
 #[derive(Clone)]
 pub struct JobsService(pub Arc<Shared>);
 
