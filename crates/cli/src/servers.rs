@@ -76,28 +76,26 @@ impl ServerRuntime {
     }
 }
 
-/// `courier dev`'s runtime threads when it is not told: one. The whole cluster runs
-/// in one process, so a job's every hop (producer's call, gateway, broker, push)
-/// is a task waking another; on one thread none of them waits for a parked thread
-/// to be woken. Measured on 2 cores against one thread per CPU, alternated on one
-/// binary (`benchmarks/dev-threads.sh`): one job at a time, a push reached its
-/// handler about 15% sooner in every round; at 1,000 jobs/s the p99 of both was the
-/// same within noise; full-lifecycle throughput the same within a few percent.
-pub const DEV_WORKER_THREADS: usize = 1;
-
-/// How `courier dev` sizes its runtime.
+/// How `courier dev` sizes its runtime. One thread unless told otherwise: the whole
+/// cluster runs in one process, so a job's every hop (producer's call, gateway,
+/// broker, push) is a task waking another, and on one thread none of them waits for
+/// a parked thread to be woken. Measured on 2 cores against one thread per CPU,
+/// alternated on one binary (`benchmarks/dev-threads.sh`): one job at a time, a push
+/// reached its handler about 15% sooner in every round; at 1,000 jobs/s the p99 of
+/// both was the same within noise; full-lifecycle throughput the same within a few
+/// percent.
 #[derive(clap::Args)]
 pub struct DevRuntime {
-    /// Threads that run the cluster's tasks (default: 1; fsyncs and other blocking
-    /// work keep their own threads).
-    #[arg(long, env = "COURIER_WORKER_THREADS",
+    /// Threads that run the cluster's tasks (fsyncs and other blocking work keep
+    /// their own threads).
+    #[arg(long, env = "COURIER_WORKER_THREADS", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..))]
-    worker_threads: Option<u16>,
+    worker_threads: u16,
 }
 
 impl DevRuntime {
     pub fn worker_threads(&self) -> usize {
-        self.worker_threads.map_or(DEV_WORKER_THREADS, usize::from)
+        usize::from(self.worker_threads)
     }
 }
 
