@@ -32,6 +32,10 @@ pub struct BrokerConfig {
     /// it, so that leaders spread out again after a failure or a rolling restart.
     /// `None`: leadership stays where elections put it.
     pub rebalance_after: Option<Duration>,
+    /// Mutual TLS inside the cluster: with it, this broker's port takes only
+    /// connections that present a certificate of the cluster's CA, and it presents
+    /// its own to its peers. `None`: plaintext, open to anyone who can reach it.
+    pub cluster_tls: Option<courier_proto::tls::ClusterTls>,
 }
 
 /// The default of [`BrokerConfig::lost_gateway_grace`].
@@ -180,6 +184,7 @@ mod tests {
             lost_gateway_grace: Some(DEFAULT_LOST_GATEWAY_GRACE),
             hand_off_leadership: true,
             rebalance_after: Some(DEFAULT_REBALANCE_AFTER),
+            cluster_tls: None,
         }
     }
 

@@ -30,7 +30,6 @@ pub use store::Durability;
 
 use courier_proto::cluster::{broker_server::BrokerServer, raft_server::RaftServer};
 use courier_proto::domain::{NodeId, PartitionId};
-use futures::StreamExt;
 use openraft::error::{InitializeError, RaftError};
 use openraft::BasicNode;
 use partition::Partition;
@@ -66,6 +65,23 @@ pub const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
 /// How long a stopping broker waits for its connections to close.
 const SERVER_DRAIN: Duration = Duration::from_millis(500);
 
+/// Says loudly that a broker without cluster TLS listens where other machines can
+/// reach it: anyone who can connect may then elect leaders, pose as a gateway or
+/// create jobs past every check.
+fn warn_if_open(listener: &TcpListener) {
+    let Ok(addr) = listener.local_addr() else {
+        return;
+    };
+    if !addr.ip().is_loopback() {
+        tracing::warn!(
+            %addr,
+            "THIS BROKER'S PORT IS OPEN: it listens beyond loopback without cluster TLS, so \
+             anyone who reaches it can take part in the cluster. Give every broker and \
+             gateway --cluster-ca, --cluster-cert and --cluster-key (see docs/security.md)"
+        );
+    }
+}
+
 /// Runs a broker on `listener` until `shutdown` is cancelled, then stops every task
 /// it started and returns.
 pub async fn run(
@@ -90,7 +106,10 @@ pub async fn run(
         )),
         e => Error::Storage(e.to_string()),
     })?;
-    let peers = PeerChannels::new(shutdown.clone());
+    let peers = PeerChannels::new(
+        shutdown.clone(),
+        config.cluster_tls.as_ref().map(|t| t.client_config()),
+    );
     let addrs = Arc::new(config.brokers.clone());
     let (notices, _) = tokio::sync::broadcast::channel(4096);
     let registry = Arc::new(registry::JobStreamRegistry::for_node(config.node_id));
@@ -141,12 +160,22 @@ pub async fn run(
     }
     let partitions: service::Partitions = Arc::new(partitions);
 
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
-        s.inspect(|s| {
-            // Raft and command latency are the product: never wait for Nagle.
-            let _ = s.set_nodelay(true);
-        })
-    });
+    let server_tls = match &config.cluster_tls {
+        Some(tls) => Some(
+            tls.server_config()
+                .map_err(|e| Error::Config(e.to_string()))?,
+        ),
+        None => {
+            warn_if_open(&listener);
+            None
+        }
+    };
+    let incoming = courier_proto::tls::incoming(
+        listener,
+        server_tls,
+        metrics::peer_refused,
+        shutdown.clone(),
+    );
     let server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(5)))
         .http2_keepalive_timeout(Some(Duration::from_secs(5)))

@@ -115,6 +115,20 @@ pub static RAFT_STREAMS_OPENED: LazyLock<IntCounter> = LazyLock::new(|| {
     )))
 });
 
+/// Connections to this broker's port dropped in the TLS handshake: a peer without
+/// a certificate of the cluster's CA, or a plaintext client.
+pub static PEERS_REFUSED: LazyLock<IntCounter> = LazyLock::new(|| {
+    register(built(IntCounter::new(
+        "courier_broker_tls_refused_total",
+        "Connections dropped in the TLS handshake (no certificate of the cluster's CA, or plaintext)",
+    )))
+});
+
+/// Counts a connection refused in the TLS handshake.
+pub fn peer_refused() {
+    PEERS_REFUSED.inc();
+}
+
 /// Append-entries this broker received as a follower, by whether they carried
 /// entries (`some`) or only a leader's heartbeat or commit index (`none`).
 static APPENDS_RECEIVED: LazyLock<IntCounterVec> = LazyLock::new(|| {
@@ -490,6 +504,7 @@ pub fn init() {
     }
     for c in [
         &RAFT_STREAMS_OPENED,
+        &PEERS_REFUSED,
         &COMMIT_NEWS_LEFT,
         &PAUSES,
         &PEER_CALLS_UNREACHABLE,

@@ -104,7 +104,7 @@ struct Proposal {
 fn approx_bytes(cmd: &LogCommand) -> usize {
     use courier_proto::domain::Command;
     match cmd {
-        LogCommand::Client { cmd, .. } => match cmd.inner() {
+        LogCommand::Client { cmd, .. } | LogCommand::ClientIn { cmd, .. } => match cmd.inner() {
             Command::Create(jobs) => jobs
                 .iter()
                 .map(|j| j.variables.len() + j.custom_headers.len() + 128)
@@ -585,6 +585,17 @@ impl Partition {
         cmd: Command,
         gateway: Option<Arc<str>>,
     ) -> Result<Reply, BrokerError> {
+        self.submit_in(cmd, gateway, None).await
+    }
+
+    /// [`Partition::submit`], limited to the caller's `tenants` when given: a
+    /// command about a job of another tenant finds no job.
+    pub async fn submit_in(
+        &self,
+        cmd: Command,
+        gateway: Option<Arc<str>>,
+        tenants: Option<Vec<String>>,
+    ) -> Result<Reply, BrokerError> {
         // A poll's jobs are recorded with the gateway they go out through.
         let via = matches!(cmd.inner(), Command::Activate { .. })
             .then(|| gateway.as_deref().map(str::to_string))
@@ -613,8 +624,11 @@ impl Partition {
             _ => None,
         };
         let push = self.push_targets(&cmd);
-        self.propose_from(LogCommand::Client { cmd, push, via }, ends_from)
-            .await
+        let logged = match tenants {
+            Some(tenants) => LogCommand::ClientIn { cmd, push, tenants },
+            None => LogCommand::Client { cmd, push, via },
+        };
+        self.propose_from(logged, ends_from).await
     }
 
     /// Claims the jobs an Activate may take before it is proposed, or says why it
@@ -821,12 +835,15 @@ impl Partition {
     }
 
     /// Reads a job from the leader's applied state.
-    pub fn get_job(&self, key: JobKey) -> Result<Reply, BrokerError> {
+    /// Reads a job from the leader's state; with `tenants`, a job of another
+    /// tenant is not found.
+    pub fn get_job(&self, key: JobKey, tenants: Option<&[String]>) -> Result<Reply, BrokerError> {
         self.check_leader()?;
         let applied = self.shared.read();
         applied
             .state
             .view(key)
+            .filter(|v| tenants.is_none_or(|t| t.contains(&v.tenant_id)))
             .map(Reply::Job)
             .ok_or_else(|| BrokerError::NotFound(format!("job with key '{key}' was not found")))
     }
@@ -1057,6 +1074,9 @@ fn is_completion(cmd: &LogCommand) -> bool {
         LogCommand::Client {
             cmd: Command::Complete { .. },
             ..
+        } | LogCommand::ClientIn {
+            cmd: Command::Complete { .. },
+            ..
         }
     )
 }
@@ -1158,6 +1178,7 @@ async fn write(p: Arc<Partition>, batch: Vec<Proposal>, on_flushed: FlushSignal,
 fn targets_of(c: &LogCommand) -> &[PushTarget] {
     match c {
         LogCommand::Client { push, .. }
+        | LogCommand::ClientIn { push, .. }
         | LogCommand::TimeOut { push, .. }
         | LogCommand::Recur { push, .. } => push,
         LogCommand::Backfill { target } => std::slice::from_ref(target),

@@ -68,6 +68,8 @@ pub struct PeerChannels {
     down_count: Arc<std::sync::atomic::AtomicUsize>,
     /// Ends the streams' reader tasks.
     shutdown: CancellationToken,
+    /// What this broker presents to its peers, and checks them by.
+    tls: Option<tonic::transport::ClientTlsConfig>,
 }
 
 /// Begins the error of a Raft call a peer did not answer (in time, or before its
@@ -84,7 +86,10 @@ struct Down {
 }
 
 impl PeerChannels {
-    pub fn new(shutdown: CancellationToken) -> PeerChannels {
+    pub fn new(
+        shutdown: CancellationToken,
+        tls: Option<tonic::transport::ClientTlsConfig>,
+    ) -> PeerChannels {
         // On /metrics from the start, at 0.
         crate::metrics::PEERS_UNREACHABLE.add(0);
         crate::metrics::PEER_CALLS_UNREACHABLE.inc_by(0);
@@ -94,6 +99,7 @@ impl PeerChannels {
             down: Arc::default(),
             down_count: Arc::default(),
             shutdown,
+            tls,
         }
     }
 
@@ -150,7 +156,12 @@ impl PeerChannels {
         if let Some(c) = self.channels.get(addr) {
             return Ok(c.clone());
         }
-        let channel = Endpoint::from_shared(format!("http://{addr}"))?
+        let mut endpoint =
+            Endpoint::from_shared(courier_proto::tls::peer_uri(addr, self.tls.is_some()))?;
+        if let Some(tls) = &self.tls {
+            endpoint = endpoint.tls_config(tls.clone())?;
+        }
+        let channel = endpoint
             .tcp_nodelay(true)
             .connect_timeout(Duration::from_millis(500))
             .http2_keep_alive_interval(Duration::from_secs(5))

@@ -190,8 +190,9 @@ impl BrokerService {
         let kind = request_kind(&request);
         let span = tracing::debug_span!("execute", partition = r.partition_id, kind);
         let started = std::time::Instant::now();
+        let tenants = r.scope.map(|s| s.tenants);
         let result = self
-            .run(r.partition_id, request, gateway)
+            .run(r.partition_id, request, gateway, tenants)
             .instrument(span)
             .await;
         metrics::REQUESTS
@@ -208,6 +209,7 @@ impl BrokerService {
         partition: u32,
         request: Request,
         gateway: Option<Arc<str>>,
+        tenants: Option<Vec<String>>,
     ) -> Result<Reply, BrokerError> {
         let Some(p) = self.partitions.get(&partition) else {
             return Err(BrokerError::NotLeader {
@@ -216,8 +218,8 @@ impl BrokerService {
             });
         };
         match request {
-            Request::Command(c) => p.submit(c, gateway).await,
-            Request::GetJob { key } => p.get_job(key),
+            Request::Command(c) => p.submit_in(c, gateway, tenants).await,
+            Request::GetJob { key } => p.get_job(key, tenants.as_deref()),
         }
     }
 }

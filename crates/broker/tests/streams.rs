@@ -79,6 +79,7 @@ async fn start_broker() -> (
         lost_gateway_grace: Some(courier_broker::config::DEFAULT_LOST_GATEWAY_GRACE),
         hand_off_leadership: true,
         rebalance_after: None,
+        cluster_tls: None,
     };
     let shutdown = CancellationToken::new();
     let broker = tokio::spawn(courier_broker::run(config, listener, shutdown.clone()));
@@ -147,6 +148,7 @@ async fn streams_answer_every_request_and_end_on_shutdown() {
         partition_id: 1,
         request: vec![0xff, 0xff].into(),
         id: 42,
+        scope: None,
     })
     .await
     .unwrap();
@@ -257,6 +259,7 @@ async fn an_activation_repeated_while_its_first_attempt_is_in_flight_gets_its_jo
                 partition_id: 1,
                 request: request.into(),
                 id,
+                scope: None,
             })
             .await
             .unwrap();

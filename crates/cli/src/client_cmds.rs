@@ -19,7 +19,7 @@ const CREATE_IN_FLIGHT: usize = 4;
 /// Which gateway to talk to and how to print the answers.
 #[derive(clap::Args, Debug)]
 pub struct ClientOpts {
-    /// Gateway address: host:port or http://host:port.
+    /// Gateway address: host:port, http://host:port or https://host:port.
     #[arg(
         long,
         env = "COURIER_ADDRESS",
@@ -34,11 +34,14 @@ pub struct ClientOpts {
     /// RESOURCE_EXHAUSTED (no leader yet, back pressure, gateway not up); 0: no retries.
     #[arg(long, default_value = "30s", value_parser = parse_duration, global = true)]
     pub retry_budget: Duration,
+    #[command(flatten)]
+    pub security: crate::security::ClientSecurityArgs,
 }
 
 impl ClientOpts {
     pub(crate) fn client(&self) -> anyhow::Result<Client> {
-        Ok(Client::connect(&self.address)?.with_retry_budget(self.retry_budget))
+        let security = self.security.security()?;
+        Ok(Client::connect_with(&self.address, &security)?.with_retry_budget(self.retry_budget))
     }
 }
 

@@ -26,6 +26,7 @@ macro_rules! report {
 }
 
 mod client_cmds;
+mod security;
 mod servers;
 mod worker_cmd;
 
@@ -86,6 +87,9 @@ enum Cmd {
         #[command(flatten)]
         conn: client_cmds::ClientOpts,
     },
+    /// Make a cluster CA and certificates signed by it (for TLS and mutual TLS).
+    #[command(subcommand)]
+    Cert(security::CertCmd),
 }
 
 /// mimalloc instead of the system allocator: the job path allocates many small,
@@ -117,6 +121,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Job { conn, cmd } => client_cmds::job(conn, cmd).await,
             Cmd::Worker { conn, args } => worker_cmd::worker(conn, args).await,
             Cmd::Status { conn } => client_cmds::status(conn).await,
+            Cmd::Cert(c) => security::cert(c),
         }
     });
     match result {
@@ -145,7 +150,7 @@ impl Cmd {
             Cmd::Dev(a) => Some(a.runtime.worker_threads()),
             Cmd::Broker(a) => a.runtime.worker_threads(),
             Cmd::Gateway(a) => a.runtime.worker_threads(),
-            Cmd::Job { .. } | Cmd::Worker { .. } | Cmd::Status { .. } => None,
+            Cmd::Job { .. } | Cmd::Worker { .. } | Cmd::Status { .. } | Cmd::Cert(_) => None,
         }
     }
 }

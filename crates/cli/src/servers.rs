@@ -36,6 +36,10 @@ pub struct DevArgs {
     #[command(flatten)]
     lost_gateway: LostGateway,
     #[command(flatten)]
+    client_tls: crate::security::ClientPortTlsArgs,
+    #[command(flatten)]
+    auth: crate::security::AuthArgs,
+    #[command(flatten)]
     pub runtime: DevRuntime,
 }
 
@@ -143,6 +147,8 @@ pub struct BrokerArgs {
     #[command(flatten)]
     rebalance: Rebalance,
     #[command(flatten)]
+    cluster_tls: crate::security::ClusterTlsArgs,
+    #[command(flatten)]
     pub runtime: ServerRuntime,
 }
 
@@ -180,6 +186,12 @@ pub struct GatewayArgs {
     /// at the gateway for the first worker that finishes one (0: none).
     #[arg(long, default_value_t = 50)]
     stream_spare_percent: u32,
+    #[command(flatten)]
+    client_tls: crate::security::ClientPortTlsArgs,
+    #[command(flatten)]
+    cluster_tls: crate::security::ClusterTlsArgs,
+    #[command(flatten)]
+    auth: crate::security::AuthArgs,
     #[command(flatten)]
     pub runtime: ServerRuntime,
 }
@@ -336,6 +348,9 @@ pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
     if a.brokers < 1 {
         bail!("--brokers must be at least 1");
     }
+    // The brokers speak mutual TLS with a CA of this run's own, so they are never
+    // open, even on loopback.
+    let cluster_tls = crate::security::dev_cluster_tls().context("cluster TLS")?;
     let shutdown = shutdown_on_signal();
     let rf = a.replication_factor.unwrap_or(a.brokers.min(3) as u32);
     // Brokers listen on free loopback ports; peers find each other through the
@@ -366,6 +381,7 @@ pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
                 // Every broker of dev stops at once: there is no one to hand to.
                 hand_off_leadership: false,
                 rebalance_after: Some(courier_broker::config::DEFAULT_REBALANCE_AFTER),
+                cluster_tls: Some(cluster_tls.clone()),
             };
             (config, listener)
         })
@@ -388,6 +404,9 @@ pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
     }
     let gw_config = courier_gateway::GatewayConfig {
         brokers: brokers.values().cloned().collect(),
+        tls: a.client_tls.config(),
+        cluster_tls: Some(cluster_tls),
+        auth: a.auth.config(),
         ..Default::default()
     };
     let s = shutdown.clone();
@@ -397,11 +416,13 @@ pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
             .context("gateway")
     });
     eprintln!(
-        "courier dev: {} broker(s), {} partition(s), replication factor {rf}, durability {:?}\n  gateway  {}\n  metrics  {}\n  data     {}\n  threads  {} (--worker-threads)\nPress Ctrl-C to stop.",
+        "courier dev: {} broker(s), {} partition(s), replication factor {rf}, durability {:?}\n  gateway  {} ({})\n  auth     {}\n  metrics  {}\n  data     {}\n  threads  {} (--worker-threads)\nPress Ctrl-C to stop.",
         a.brokers,
         a.partitions,
         a.durability,
         a.gateway_addr,
+        if a.client_tls.config().is_some() { "TLS" } else { "plaintext" },
+        a.auth.describe(),
         if a.metrics_addr == "off" { "off".to_string() } else { format!("http://{}/metrics", a.metrics_addr) },
         a.data_dir.display(),
         runtime_workers(),
@@ -493,7 +514,12 @@ pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
     let mut brokers = parse_peers(&a.peers)?;
     check_member(a.node_id, &brokers)?;
     let raft = raft_tuning(&a)?;
-    tracing::info!(worker_threads = runtime_workers(), "starting the broker");
+    let cluster_tls = a.cluster_tls.load().context("cluster TLS")?;
+    tracing::info!(
+        worker_threads = runtime_workers(),
+        cluster_tls = cluster_tls.is_some(),
+        "starting the broker"
+    );
     let shutdown = shutdown_on_signal();
     brokers.entry(a.node_id).or_insert_with(|| a.addr.clone());
     let listener = bind(&a.addr).await?;
@@ -511,6 +537,7 @@ pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
         lost_gateway_grace: a.lost_gateway.lost_gateway_grace.0,
         hand_off_leadership: true,
         rebalance_after: a.rebalance.rebalance_after.0,
+        cluster_tls,
     };
     courier_broker::run(config, listener, shutdown)
         .await
@@ -519,7 +546,14 @@ pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
 
 pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
     init_tracing(SERVER_LOG);
-    tracing::info!(worker_threads = runtime_workers(), "starting the gateway");
+    let cluster_tls = a.cluster_tls.load().context("cluster TLS")?;
+    tracing::info!(
+        worker_threads = runtime_workers(),
+        client_tls = a.client_tls.config().is_some(),
+        cluster_tls = cluster_tls.is_some(),
+        auth = a.auth.describe(),
+        "starting the gateway"
+    );
     let shutdown = shutdown_on_signal();
     let brokers: Vec<String> = a
         .brokers
@@ -540,6 +574,9 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
         push_enabled: !a.no_push,
         client_credit: a.client_credit.max(1),
         stream_spare_percent: a.stream_spare_percent,
+        tls: a.client_tls.config(),
+        cluster_tls,
+        auth: a.auth.config(),
         ..Default::default()
     };
     courier_gateway::serve(config, listener, shutdown)

@@ -3,11 +3,12 @@
 use crate::error::ClientError;
 use crate::request::{millis, IntoJsonText, StreamJobs, JOBS_HELD_HEADER, MAX_JOBS_ACTIVE_HEADER};
 use crate::retry::{with_retries, Backoff, DEFAULT_RETRY_BUDGET};
+use crate::security::{AuthChannel, Security, TokenSource};
 use courier_proto::courier_v1::{self as v1, jobs_client::JobsClient};
 use courier_proto::gateway_protocol::{self as gw, gateway_client::GatewayClient};
 use std::future::Future;
 use std::time::Duration;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::Status;
 
 /// Largest answer the client takes: an ActivateJobs answer carries up to 4 MiB of
@@ -37,8 +38,8 @@ const MAX_ANSWER_BYTES: usize = 64 * 1024 * 1024;
 /// ```
 #[derive(Clone, Debug)]
 pub struct Client {
-    jobs: JobsClient<Channel>,
-    gateway: GatewayClient<Channel>,
+    jobs: JobsClient<AuthChannel>,
+    gateway: GatewayClient<AuthChannel>,
     backoff: Backoff,
     /// How long one call keeps retrying, counted from its first attempt.
     retry_budget: Duration,
@@ -49,16 +50,31 @@ impl Client {
     /// Connects lazily, on the first call, so a gateway that is not up yet is not an
     /// error here. Must be called inside a Tokio runtime.
     pub fn connect(addr: &str) -> Result<Client, ClientError> {
-        let endpoint = endpoint(addr)?;
+        Client::connect_with(addr, &Security::default())
+    }
+
+    /// A client for the gateway at `addr` with TLS and credentials: `host:port`
+    /// (TLS when `security` names a CA), `http://host:port`, or `https://host:port`
+    /// (checked against `security`'s CA, or the system's roots without one).
+    pub fn connect_with(addr: &str, security: &Security) -> Result<Client, ClientError> {
+        let endpoint = endpoint_with(addr, security)?;
+        let tokens = TokenSource::new(&security.credentials).map_err(|e| connect_error(addr, e))?;
         // The channel spawns its worker task at once; without a runtime that panics.
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(connect_error(addr, "not inside a Tokio runtime"));
         }
-        Ok(Client::from_channel(endpoint.connect_lazy()))
+        Ok(Client::from_auth_channel(AuthChannel::new(
+            endpoint.connect_lazy(),
+            tokens,
+        )))
     }
 
     /// A client over a channel built elsewhere (other settings, TLS).
     pub fn from_channel(channel: Channel) -> Client {
+        Client::from_auth_channel(AuthChannel::new(channel, None))
+    }
+
+    fn from_auth_channel(channel: AuthChannel) -> Client {
         Client {
             // A job fits in 4 MiB, but GetJob also carries its last error message,
             // which no limit bounds: tonic's default of 4 MiB would refuse it.
@@ -327,19 +343,54 @@ impl Client {
 }
 
 /// The endpoint for `addr`, with the connection settings every client uses.
+#[cfg(test)]
 fn endpoint(addr: &str) -> Result<Endpoint, ClientError> {
+    endpoint_with(addr, &Security::default())
+}
+
+/// The endpoint for `addr` under `security`, with the connection settings every
+/// client uses.
+fn endpoint_with(addr: &str, security: &Security) -> Result<Endpoint, ClientError> {
     let trimmed = addr.trim();
+    let tls_ca = match &security.tls_ca {
+        Some(path) => Some(std::fs::read(path).map_err(|e| {
+            connect_error(
+                addr,
+                format!("cannot read the TLS CA file {}: {e}", path.display()),
+            )
+        })?),
+        None => None,
+    };
     let uri = match trimmed.split_once("://") {
+        None if tls_ca.is_some() => format!("https://{trimmed}"),
         None => format!("http://{trimmed}"),
-        Some(("http", _)) => trimmed.to_string(),
+        Some(("http", _)) if tls_ca.is_some() => {
+            return Err(connect_error(
+                addr,
+                "a TLS CA is given but the address says http://: use https:// or host:port",
+            ))
+        }
+        Some(("http" | "https", _)) => trimmed.to_string(),
         Some((scheme, _)) => {
             return Err(connect_error(
                 addr,
-                format!("unsupported scheme {scheme}:// (use host:port or http://host:port)"),
+                format!(
+                    "unsupported scheme {scheme}:// (use host:port, http://host:port or https://host:port)"
+                ),
             ))
         }
     };
-    let endpoint = Endpoint::from_shared(uri).map_err(|e| connect_error(addr, e))?;
+    let https = uri.starts_with("https://");
+    let mut endpoint = Endpoint::from_shared(uri).map_err(|e| connect_error(addr, e))?;
+    if https {
+        let tls = match &tls_ca {
+            Some(pem) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)),
+            None => ClientTlsConfig::new().with_native_roots(),
+        };
+        endpoint = endpoint
+            .tls_config(tls)
+            .map_err(|e| connect_error(addr, e))?;
+    }
     // Without an explicit port the URI would mean port 80, never a gateway.
     if endpoint.uri().host().is_none_or(str::is_empty) || endpoint.uri().port().is_none() {
         return Err(connect_error(addr, "expected host:port"));
@@ -389,7 +440,7 @@ mod tests {
             "",
             "localhost",
             "http://gw",
-            "https://gw:443",
+            "ftp://gw:21",
             "unix:///tmp/s",
             "a b:1",
             ":26500",
@@ -397,8 +448,9 @@ mod tests {
             let err = uri(bad).err();
             assert!(err.is_some(), "{bad:?} was accepted");
         }
-        let err = uri("https://gw:443").err().unwrap_or_default();
-        assert!(err.contains("unsupported scheme https://"), "{err}");
+        let err = uri("ftp://gw:21").err().unwrap_or_default();
+        assert!(err.contains("unsupported scheme ftp://"), "{err}");
+        assert_eq!(uri("https://gw:443").as_deref(), Ok("https://gw:443/"));
     }
 
     #[test]

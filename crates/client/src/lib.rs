@@ -59,6 +59,7 @@ pub mod client;
 pub mod error;
 pub mod request;
 mod retry;
+pub mod security;
 pub mod worker;
 
 pub use client::Client;
@@ -70,6 +71,7 @@ pub use request::{
     MAX_JOBS_ACTIVE_HEADER,
 };
 pub use retry::DEFAULT_RETRY_BUDGET;
+pub use security::{Credentials, OAuthCredentials, Security};
 pub use worker::{
     JobOutcome, JobWorker, JobWorkerBuilder, ShutdownHandle, WorkerMetrics, WorkerMetricsSnapshot,
 };

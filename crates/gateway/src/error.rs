@@ -9,6 +9,9 @@ pub enum GatewayError {
     /// The client's request is malformed; the message names the field.
     #[error("{0}")]
     InvalidArgument(String),
+    /// The caller may not act for the tenant the request names.
+    #[error("{0}")]
+    PermissionDenied(String),
     /// The request reached no broker or a broker refused it.
     #[error(transparent)]
     Broker(#[from] BrokerError),
@@ -23,6 +26,9 @@ pub enum GatewayError {
     /// The configuration names no broker to learn the cluster from.
     #[error("no broker address configured")]
     NoBrokers,
+    /// Certificates, keys, tokens or OAuth settings that cannot be used.
+    #[error("security configuration: {0}")]
+    Security(String),
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Server(#[from] tonic::transport::Error),
@@ -32,9 +38,11 @@ impl From<GatewayError> for tonic::Status {
     fn from(e: GatewayError) -> Self {
         match e {
             GatewayError::InvalidArgument(m) => tonic::Status::invalid_argument(m),
+            GatewayError::PermissionDenied(m) => tonic::Status::permission_denied(m),
             GatewayError::Broker(b) => b.into(),
             e @ (GatewayError::BadBrokerAddress { .. }
             | GatewayError::NoBrokers
+            | GatewayError::Security(_)
             | GatewayError::Server(_)) => tonic::Status::internal(e.to_string()),
         }
     }

@@ -13,7 +13,9 @@
 //! - [`metrics`]: Prometheus metrics in the default registry.
 //! - [`error`]: [`GatewayError`] and its mapping to gRPC statuses.
 //! - [`backoff`]: full-jitter exponential back-off.
+//! - [`auth`]: static tokens and OAuth JWTs, and the tenants of each caller.
 
+pub mod auth;
 pub mod backoff;
 pub mod error;
 mod health;
@@ -29,10 +31,8 @@ pub use error::GatewayError;
 
 use courier_proto::courier_v1::jobs_server::JobsServer;
 use courier_proto::gateway_protocol::gateway_server::GatewayServer;
-use futures::StreamExt;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::server::NamedService;
@@ -47,9 +47,6 @@ const MAX_ZEEBE_MESSAGE: usize = courier_proto::domain::MAX_VARIABLES_BYTES + 64
 /// HTTP/2 pings on client connections, so dead workers' connections are closed.
 const CLIENT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const CLIENT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
-/// Pause after a failed accept (e.g. out of file descriptors), so the accept loop
-/// does not spin while the condition lasts.
-const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
 
 /// How a gateway finds the cluster and treats requests.
 #[derive(Clone, Debug)]
@@ -80,6 +77,28 @@ pub struct GatewayConfig {
     /// Whether StreamActivatedJobs is served; without it workers long-poll
     /// (default true).
     pub push_enabled: bool,
+    /// TLS on the client port: the port then speaks TLS only.
+    pub tls: Option<ClientPortTls>,
+    /// The cluster's mutual TLS, presented to the brokers.
+    pub cluster_tls: Option<courier_proto::tls::ClusterTls>,
+    /// Who may call the job services; `None`: anyone, on every tenant.
+    pub auth: Option<AuthConfig>,
+}
+
+/// The client port's certificate and key, PEM files read again when they change.
+#[derive(Clone, Debug)]
+pub struct ClientPortTls {
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
+}
+
+/// The credentials the gateway takes: static tokens, OAuth JWTs, or both.
+#[derive(Clone, Debug, Default)]
+pub struct AuthConfig {
+    /// `--auth-tokens`: a JSON token file.
+    pub tokens: Option<std::path::PathBuf>,
+    /// `--oauth-*`: what a JWT must say.
+    pub jwt: Option<auth::jwt::JwtSettings>,
 }
 
 impl Default for GatewayConfig {
@@ -94,8 +113,45 @@ impl Default for GatewayConfig {
             max_inflight_bytes: 256 * 1024 * 1024,
             stream_spare_percent: 50,
             push_enabled: true,
+            tls: None,
+            cluster_tls: None,
+            auth: None,
         }
     }
+}
+
+/// The authenticator `config` asks for, its key and token files loaded, and the
+/// tasks that keep them fresh spawned on `tasks` until `stop`.
+async fn authenticator(
+    config: &AuthConfig,
+    tasks: &TaskTracker,
+    stop: &CancellationToken,
+) -> Result<Arc<auth::Authenticator>, GatewayError> {
+    let mut a = auth::Authenticator::default();
+    if let Some(path) = &config.tokens {
+        let tokens = Arc::new(auth::tokens::TokenFile::load(path).map_err(GatewayError::Security)?);
+        tasks.spawn(
+            tokens
+                .clone()
+                .watch(courier_proto::tls::RELOAD_EVERY, stop.clone()),
+        );
+        a.tokens = Some(tokens);
+    }
+    if let Some(settings) = &config.jwt {
+        let jwt = Arc::new(auth::jwt::JwtVerifier::new(settings.clone()));
+        match (&settings.keys, jwt.load().await) {
+            (_, Ok(())) => {}
+            // A key file is ours to get right: a bad one stops the start.
+            (auth::jwt::KeySource::File(_), Err(e)) => return Err(GatewayError::Security(e)),
+            // A provider may be down for now; tokens are refused until it answers.
+            (auth::jwt::KeySource::Url(_), Err(e)) => {
+                tracing::warn!(error = %e, "cannot fetch the OAuth signing keys yet; bearer JWTs are refused until they load");
+            }
+        }
+        tasks.spawn(jwt.clone().run(stop.clone()));
+        a.jwt = Some(jwt);
+    }
+    Ok(Arc::new(a))
 }
 
 /// Serves until `shutdown` is cancelled, then stops every task it started and returns.
@@ -104,7 +160,10 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), GatewayError> {
-    let topology = Arc::new(topology::Topology::new(&config.brokers)?);
+    let topology = Arc::new(topology::Topology::with_tls(
+        &config.brokers,
+        config.cluster_tls.as_ref().map(|t| t.client_config()),
+    )?);
     // The gateway's own tasks stop on `stop`, after the clients are gone and the
     // links closed (a graceful stop: see `BrokerLink::close`); they also stop when
     // the server fails, without cancelling the caller's token. What serves clients
@@ -157,14 +216,39 @@ pub async fn serve(
     );
     // Zeebe's clients (the Node.js SDK always) compress requests with gzip; answers
     // stay uncompressed, where compression would only add latency.
-    let gateway = service::JobApiOnly(
-        GatewayServer::new(service::GatewayService(shared.clone()))
-            .max_decoding_message_size(MAX_ZEEBE_MESSAGE)
-            .accept_compressed(tonic::codec::CompressionEncoding::Gzip),
+    let authenticate = auth::Authenticate(match &config.auth {
+        Some(a) => Some(authenticator(a, &tasks, &stop).await?),
+        None => None,
+    });
+    let client_tls = match &config.tls {
+        Some(t) => {
+            let cert = courier_proto::tls::ReloadingCert::load(&t.cert, &t.key)
+                .map_err(|e| GatewayError::Security(e.to_string()))?;
+            tasks.spawn(
+                cert.clone()
+                    .watch(courier_proto::tls::RELOAD_EVERY, stop.clone()),
+            );
+            Some(
+                courier_proto::tls::server_config(cert, None)
+                    .map_err(|e| GatewayError::Security(e.to_string()))?,
+            )
+        }
+        None => None,
+    };
+    let gateway = tonic::service::interceptor::InterceptedService::new(
+        service::JobApiOnly(
+            GatewayServer::new(service::GatewayService(shared.clone()))
+                .max_decoding_message_size(MAX_ZEEBE_MESSAGE)
+                .accept_compressed(tonic::codec::CompressionEncoding::Gzip),
+        ),
+        authenticate.clone(),
     );
-    let jobs = JobsServer::new(service::JobsService(shared))
-        .max_decoding_message_size(MAX_CLIENT_MESSAGE)
-        .accept_compressed(tonic::codec::CompressionEncoding::Gzip);
+    let jobs = tonic::service::interceptor::InterceptedService::new(
+        JobsServer::new(service::JobsService(shared))
+            .max_decoding_message_size(MAX_CLIENT_MESSAGE)
+            .accept_compressed(tonic::codec::CompressionEncoding::Gzip),
+        authenticate,
+    );
 
     let health = health::service(
         &[
@@ -174,21 +258,8 @@ pub async fn serve(
         clients.clone(),
     );
 
-    let incoming = TcpListenerStream::new(listener).then(|accepted| async move {
-        match &accepted {
-            Ok(stream) => {
-                // serve_with_incoming ignores the server's tcp_nodelay setting.
-                if let Err(e) = stream.set_nodelay(true) {
-                    tracing::debug!(error = %e, "cannot set TCP_NODELAY");
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
-            }
-        }
-        accepted
-    });
+    let incoming =
+        courier_proto::tls::incoming(listener, client_tls, metrics::tls_refused, clients.clone());
 
     let result = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(CLIENT_KEEPALIVE_INTERVAL))

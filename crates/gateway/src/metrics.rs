@@ -34,6 +34,8 @@ struct Metrics {
     credit_reports: IntCounter,
     stale_jobs_dropped: IntCounter,
     activations_given_back: IntCounter,
+    auth_refused: IntCounterVec,
+    tls_refused: IntCounter,
 }
 
 static METRICS: LazyLock<Option<Metrics>> = LazyLock::new(|| match build() {
@@ -176,7 +178,24 @@ fn build() -> prometheus::Result<Metrics> {
             "Jobs activated for an ActivateJobs call but not in its answer (the client went \
              away first, or the answer was full), failed back with their retries unchanged",
         )?,
+        auth_refused: IntCounterVec::new(
+            Opts::new(
+                "courier_gateway_auth_refused_total",
+                "Requests refused UNAUTHENTICATED, by reason (missing, malformed, unknown_token, jwt_*)",
+            ),
+            &["reason"],
+        )?,
+        tls_refused: IntCounter::new(
+            "courier_gateway_tls_refused_total",
+            "Client connections dropped in the TLS handshake (plaintext, or a bad handshake)",
+        )?,
     };
+    for reason in ["missing", "malformed", "unknown_token"]
+        .into_iter()
+        .chain(crate::auth::jwt::JwtError::REASONS)
+    {
+        m.auth_refused.with_label_values(&[reason]);
+    }
     // At zero from the start, so a graph of yields has a series before the first.
     for reason in [
         crate::streams::NO_CLIENT,
@@ -192,7 +211,7 @@ fn build() -> prometheus::Result<Metrics> {
         m.push_rejected.with_label_values(&[reason]);
     }
     let registry = prometheus::default_registry();
-    let collectors: [Box<dyn prometheus::core::Collector>; 23] = [
+    let collectors: [Box<dyn prometheus::core::Collector>; 25] = [
         Box::new(m.requests.clone()),
         Box::new(m.request_duration.clone()),
         Box::new(m.long_poll_parked.clone()),
@@ -216,6 +235,8 @@ fn build() -> prometheus::Result<Metrics> {
         Box::new(m.credit_reports.clone()),
         Box::new(m.stale_jobs_dropped.clone()),
         Box::new(m.activations_given_back.clone()),
+        Box::new(m.auth_refused.clone()),
+        Box::new(m.tls_refused.clone()),
     ];
     for c in collectors {
         if let Err(e) = registry.register(c) {
@@ -381,6 +402,20 @@ pub fn stale_jobs_dropped(n: usize) {
 pub fn activations_given_back(n: u64) {
     if let Some(m) = METRICS.as_ref() {
         m.activations_given_back.inc_by(n);
+    }
+}
+
+/// Counts a request refused UNAUTHENTICATED for `reason`.
+pub fn auth_refused(reason: &'static str) {
+    if let Some(m) = METRICS.as_ref() {
+        m.auth_refused.with_label_values(&[reason]).inc();
+    }
+}
+
+/// Counts a client connection dropped in the TLS handshake.
+pub fn tls_refused() {
+    if let Some(m) = METRICS.as_ref() {
+        m.tls_refused.inc();
     }
 }
 

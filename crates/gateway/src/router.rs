@@ -102,7 +102,19 @@ impl Router {
         request: &Request,
         deadline: Instant,
     ) -> Result<Reply, BrokerError> {
-        self.execute_until(partition, request, deadline, deadline)
+        self.execute_in(partition, request, None, deadline).await
+    }
+
+    /// [`Router::execute`] for a caller limited to `tenants` (when given): the
+    /// broker treats a job of another tenant as one that does not exist.
+    pub async fn execute_in(
+        &self,
+        partition: PartitionId,
+        request: &Request,
+        tenants: Option<&[String]>,
+        deadline: Instant,
+    ) -> Result<Reply, BrokerError> {
+        self.route(partition, request, tenants, deadline, deadline)
             .await
             .map_err(|f| f.error)
     }
@@ -121,7 +133,22 @@ impl Router {
         retry_until: Instant,
         deadline: Instant,
     ) -> Result<Reply, RouteFailure> {
+        self.route(partition, request, None, retry_until, deadline)
+            .await
+    }
+
+    async fn route(
+        &self,
+        partition: PartitionId,
+        request: &Request,
+        tenants: Option<&[String]>,
+        retry_until: Instant,
+        deadline: Instant,
+    ) -> Result<Reply, RouteFailure> {
         let execute = ExecuteRequest {
+            scope: tenants.map(|t| courier_proto::cluster::TenantScope {
+                tenants: t.to_vec(),
+            }),
             partition_id: partition.0,
             // Another partition would fail the same way: not worth moving on for.
             request: codec::encode(request).map_err(|e| RouteFailure {

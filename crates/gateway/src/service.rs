@@ -2,6 +2,7 @@
 //! Courier's `courier.v1.Jobs` for producers. Both are thin: convert and validate the
 //! request, route it, convert the reply.
 
+use crate::auth::{self, Caller};
 use crate::error::GatewayError;
 use crate::long_poll::{LongPollQueue, Waiter};
 use crate::metrics::{self, RequestObserver};
@@ -219,12 +220,17 @@ impl Shared {
     /// Runs a request about one job on the job's partition.
     async fn on_job(
         &self,
+        caller: Option<&Caller>,
         key: JobKey,
         request: Request,
         deadline: Instant,
     ) -> Result<Reply, GatewayError> {
         let partition = self.partition_of(key)?;
-        Ok(self.router.execute(partition, &request, deadline).await?)
+        let tenants = caller.map(|c| c.tenants.as_slice());
+        Ok(self
+            .router
+            .execute_in(partition, &request, tenants, deadline)
+            .await?)
     }
 
     /// `command` carried out once however often the router sends it (see
@@ -245,6 +251,7 @@ impl Shared {
     /// finds the job gone, which the router takes as done.
     async fn job_command(
         &self,
+        caller: Option<&Caller>,
         key: i64,
         command: Result<Command, String>,
         deadline: Instant,
@@ -254,7 +261,7 @@ impl Shared {
             c => c,
         };
         match self
-            .on_job(JobKey(key), Request::Command(command), deadline)
+            .on_job(caller, JobKey(key), Request::Command(command), deadline)
             .await?
         {
             Reply::Done => Ok(()),
@@ -332,7 +339,7 @@ impl Shared {
                 retry_backoff_ms: 0,
                 variables: None,
             };
-            match self.job_command(job.key, Ok(command), deadline).await {
+            match self.job_command(None, job.key, Ok(command), deadline).await {
                 Ok(()) => metrics::activations_given_back(1),
                 // Its timeout recovers it.
                 Err(e) => tracing::info!(job = job.key, error = %e, "could not give back a job"),
@@ -646,6 +653,7 @@ impl Gateway for GatewayService {
     ) -> Result<Response<Self::ActivateJobsStream>, Status> {
         let observer = RequestObserver::start("ActivateJobs");
         let stated = stated_timeout(request.metadata());
+        let caller = auth::caller(&request);
         let req = request.into_inner();
         let deadline = instant_after(activate_timeout(
             stated,
@@ -660,13 +668,17 @@ impl Gateway for GatewayService {
             max_jobs = req.max_jobs_to_activate,
             request_timeout = req.request_timeout,
         );
-        let (props, max) = match convert::activate_request(&req) {
+        let (mut props, max) = match convert::activate_request(&req) {
             Ok(v) => v,
             Err(m) => {
                 observer.finish(tonic::Code::InvalidArgument);
                 return Err(Status::invalid_argument(m));
             }
         };
+        if let Err(e) = worker_tenants(caller.as_deref(), &mut props, &req.tenant_ids) {
+            observer.finish(tonic::Code::PermissionDenied);
+            return Err(e.into());
+        }
         let shared = self.0.clone();
         // The poll runs on a task of its own, so that a client going away while an
         // Activate is on its way to a broker cannot lose the jobs it activates: the
@@ -721,13 +733,19 @@ impl Gateway for GatewayService {
                 "job push is switched off on this gateway",
             ));
         }
-        let props = match convert::stream_request(request.get_ref()) {
+        let mut props = match convert::stream_request(request.get_ref()) {
             Ok(p) => p,
             Err(m) => {
                 observer.finish(tonic::Code::InvalidArgument);
                 return Err(Status::invalid_argument(m));
             }
         };
+        let caller = auth::caller(&request);
+        if let Err(e) = worker_tenants(caller.as_deref(), &mut props, &request.get_ref().tenant_ids)
+        {
+            observer.finish(tonic::Code::PermissionDenied);
+            return Err(e.into());
+        }
         let (job_type, worker) = (props.job_type.clone(), props.worker.clone());
         let credit = stated_credit(request.metadata());
         let held = declared_held(request.metadata());
@@ -760,6 +778,7 @@ impl Gateway for GatewayService {
         // Credit is released only for a hand-off before this request began.
         let since = Instant::now();
         let deadline = self.0.deadline(&request);
+        let caller = auth::caller(&request);
         let r = request.into_inner();
         let span = tracing::info_span!("CompleteJob", job_key = r.job_key);
         unary("CompleteJob", span, async {
@@ -768,7 +787,9 @@ impl Gateway for GatewayService {
             // comes back now, so the next job is on its way while this one commits.
             let command = convert::complete_request(&r).map_err(invalid)?;
             let _finishing = self.0.streams.finished_here(r.job_key, since);
-            self.0.job_command(r.job_key, Ok(command), deadline).await?;
+            self.0
+                .job_command(caller.as_deref(), r.job_key, Ok(command), deadline)
+                .await?;
             Ok(gw::CompleteJobResponse {})
         })
         .await
@@ -781,6 +802,7 @@ impl Gateway for GatewayService {
         // Credit is released only for a hand-off before this request began.
         let since = Instant::now();
         let deadline = self.0.deadline(&request);
+        let caller = auth::caller(&request);
         let r = request.into_inner();
         let span = tracing::info_span!("FailJob", job_key = r.job_key, retries = r.retries);
         unary("FailJob", span, async {
@@ -789,7 +811,9 @@ impl Gateway for GatewayService {
             // comes back now, so the next job is on its way while this one commits.
             let command = convert::fail_request(&r).map_err(invalid)?;
             let _finishing = self.0.streams.finished_here(r.job_key, since);
-            self.0.job_command(r.job_key, Ok(command), deadline).await?;
+            self.0
+                .job_command(caller.as_deref(), r.job_key, Ok(command), deadline)
+                .await?;
             Ok(gw::FailJobResponse {})
         })
         .await
@@ -802,6 +826,7 @@ impl Gateway for GatewayService {
         // Credit is released only for a hand-off before this request began.
         let since = Instant::now();
         let deadline = self.0.deadline(&request);
+        let caller = auth::caller(&request);
         let r = request.into_inner();
         let span = tracing::info_span!("ThrowError", job_key = r.job_key, error_code = %loggable(&r.error_code));
         unary("ThrowError", span, async {
@@ -810,7 +835,9 @@ impl Gateway for GatewayService {
             // comes back now, so the next job is on its way while this one commits.
             let command = convert::throw_error_request(&r).map_err(invalid)?;
             let _finishing = self.0.streams.finished_here(r.job_key, since);
-            self.0.job_command(r.job_key, Ok(command), deadline).await?;
+            self.0
+                .job_command(caller.as_deref(), r.job_key, Ok(command), deadline)
+                .await?;
             Ok(gw::ThrowErrorResponse {})
         })
         .await
@@ -821,12 +848,15 @@ impl Gateway for GatewayService {
         request: tonic::Request<gw::UpdateJobRetriesRequest>,
     ) -> Result<Response<gw::UpdateJobRetriesResponse>, Status> {
         let deadline = self.0.deadline(&request);
+        let caller = auth::caller(&request);
         let r = request.into_inner();
         let span =
             tracing::info_span!("UpdateJobRetries", job_key = r.job_key, retries = r.retries);
         unary("UpdateJobRetries", span, async {
             let command = convert::update_retries_request(&r);
-            self.0.job_command(r.job_key, command, deadline).await?;
+            self.0
+                .job_command(caller.as_deref(), r.job_key, command, deadline)
+                .await?;
             Ok(gw::UpdateJobRetriesResponse {})
         })
         .await
@@ -839,12 +869,15 @@ impl Gateway for GatewayService {
         // Only a hand-off before this request began gets the new deadline.
         let since = Instant::now();
         let deadline = self.0.deadline(&request);
+        let caller = auth::caller(&request);
         let r = request.into_inner();
         let span =
             tracing::info_span!("UpdateJobTimeout", job_key = r.job_key, timeout = r.timeout);
         unary("UpdateJobTimeout", span, async {
             let command = convert::update_timeout_request(&r);
-            self.0.job_command(r.job_key, command, deadline).await?;
+            self.0
+                .job_command(caller.as_deref(), r.job_key, command, deadline)
+                .await?;
             self.0.streams.timeout_updated(r.job_key, r.timeout, since);
             Ok(gw::UpdateJobTimeoutResponse {})
         })
@@ -1013,10 +1046,12 @@ impl Jobs for JobsService {
         request: tonic::Request<v1::CreateJobRequest>,
     ) -> Result<Response<v1::CreateJobResponse>, Status> {
         let deadline = self.0.deadline(&request);
+        let caller = auth::caller(&request);
         let r = request.into_inner();
         let span = tracing::info_span!("CreateJob", job_type = %loggable(&r.r#type));
         unary("CreateJob", span, async {
-            let job = convert::create_request(&r).map_err(invalid)?;
+            let mut job = convert::create_request(&r).map_err(invalid)?;
+            own_tenant(caller.as_deref(), &mut job, r.tenant_id.is_empty())?;
             let (keys, partition) = self.0.create(vec![job], deadline).await?;
             let key = keys.first().ok_or_else(|| {
                 GatewayError::from(BrokerError::Internal("broker created no job".into()))
@@ -1035,10 +1070,14 @@ impl Jobs for JobsService {
         request: tonic::Request<v1::CreateJobsRequest>,
     ) -> Result<Response<v1::CreateJobsResponse>, Status> {
         let deadline = self.0.deadline(&request);
+        let caller = auth::caller(&request);
         let r = request.into_inner();
         let span = tracing::info_span!("CreateJobs", jobs = r.jobs.len());
         unary("CreateJobs", span, async {
-            let jobs = create_batch(&r.jobs)?;
+            let mut jobs = create_batch(&r.jobs)?;
+            for (job, asked) in jobs.iter_mut().zip(&r.jobs) {
+                own_tenant(caller.as_deref(), job, asked.tenant_id.is_empty())?;
+            }
             let (keys, partition) = self.0.create(jobs, deadline).await?;
             Ok(v1::CreateJobsResponse {
                 keys: keys.into_iter().map(|k| k.0).collect(),
@@ -1053,13 +1092,14 @@ impl Jobs for JobsService {
         request: tonic::Request<v1::GetJobRequest>,
     ) -> Result<Response<v1::GetJobResponse>, Status> {
         let deadline = self.0.deadline(&request);
+        let caller = auth::caller(&request);
         let r = request.into_inner();
         let span = tracing::info_span!("GetJob", job_key = r.key);
         unary("GetJob", span, async {
             let key = JobKey(r.key);
             match self
                 .0
-                .on_job(key, Request::GetJob { key }, deadline)
+                .on_job(caller.as_deref(), key, Request::GetJob { key }, deadline)
                 .await?
             {
                 Reply::Job(view) => Ok(v1::GetJobResponse {
@@ -1076,15 +1116,67 @@ impl Jobs for JobsService {
         request: tonic::Request<v1::CancelJobRequest>,
     ) -> Result<Response<v1::CancelJobResponse>, Status> {
         let deadline = self.0.deadline(&request);
+        let caller = auth::caller(&request);
         let r = request.into_inner();
         let span = tracing::info_span!("CancelJob", job_key = r.key);
         unary("CancelJob", span, async {
             let command = Command::Cancel { key: JobKey(r.key) };
-            self.0.job_command(r.key, Ok(command), deadline).await?;
+            self.0
+                .job_command(caller.as_deref(), r.key, Ok(command), deadline)
+                .await?;
             Ok(v1::CancelJobResponse {})
         })
         .await
     }
+}
+
+/// A job created by `caller` belongs to one of its tenants: one that names none
+/// (`unnamed`) gets the caller's default tenant, one that names another is
+/// PERMISSION_DENIED.
+fn own_tenant(
+    caller: Option<&Caller>,
+    job: &mut NewJob,
+    unnamed: bool,
+) -> Result<(), GatewayError> {
+    let Some(caller) = caller else {
+        return Ok(());
+    };
+    if unnamed {
+        job.tenant_id = caller.default_tenant().to_string();
+    }
+    if caller.may(&job.tenant_id) {
+        Ok(())
+    } else {
+        Err(not_yours(caller, &job.tenant_id))
+    }
+}
+
+/// The tenants a worker of `caller` takes jobs of: those it asked for, each one
+/// of the caller's (PERMISSION_DENIED otherwise), or the caller's default tenant
+/// when it asked for none.
+fn worker_tenants(
+    caller: Option<&Caller>,
+    props: &mut ActivationProps,
+    asked: &[String],
+) -> Result<(), GatewayError> {
+    let Some(caller) = caller else {
+        return Ok(());
+    };
+    if asked.is_empty() {
+        props.tenant_ids = vec![caller.default_tenant().to_string()];
+        return Ok(());
+    }
+    match props.tenant_ids.iter().find(|t| !caller.may(t)) {
+        Some(t) => Err(not_yours(caller, t)),
+        None => Ok(()),
+    }
+}
+
+fn not_yours(caller: &Caller, tenant: &str) -> GatewayError {
+    GatewayError::PermissionDenied(format!(
+        "tenant '{tenant}' is not among this client's tenants ({})",
+        caller.tenants.join(", ")
+    ))
 }
 
 /// Validates a CreateJobs batch; errors name the offending entry.

@@ -220,16 +220,27 @@ pub struct Topology {
     /// Counts changes of any partition's leader, so that commands waiting to retry
     /// for want of a leader go at once when one is known.
     leader_changes: watch::Sender<u64>,
+    /// The cluster's mutual TLS, when brokers require it.
+    tls: Option<tonic::transport::ClientTlsConfig>,
 }
 
 impl Topology {
     /// A topology that learns the cluster from `seeds` ("host:port" broker addresses).
     pub fn new(seeds: &[String]) -> Result<Self, GatewayError> {
+        Self::with_tls(seeds, None)
+    }
+
+    /// A view learned from `seeds`, reaching brokers with the cluster's mutual TLS
+    /// when `tls` is given.
+    pub fn with_tls(
+        seeds: &[String],
+        tls: Option<tonic::transport::ClientTlsConfig>,
+    ) -> Result<Self, GatewayError> {
         if seeds.is_empty() {
             return Err(GatewayError::NoBrokers);
         }
         for addr in seeds {
-            endpoint(addr).map_err(|reason| GatewayError::BadBrokerAddress {
+            endpoint(addr, tls.as_ref()).map_err(|reason| GatewayError::BadBrokerAddress {
                 addr: addr.clone(),
                 reason,
             })?;
@@ -243,6 +254,7 @@ impl Topology {
             led: watch::Sender::new(BTreeMap::new()),
             refresh_wanted: Notify::new(),
             leader_changes: watch::Sender::new(0),
+            tls,
         })
     }
 
@@ -380,7 +392,7 @@ impl Topology {
         if let Some(c) = channels.get(addr) {
             return Some(c.clone());
         }
-        match endpoint(addr) {
+        match endpoint(addr, self.tls.as_ref()) {
             Ok(e) => {
                 let c = e.connect_lazy();
                 channels.insert(addr.to_string(), c.clone());
@@ -483,14 +495,17 @@ impl Topology {
     }
 }
 
-/// The endpoint for a broker address, "host:port" or a full URI.
-fn endpoint(addr: &str) -> Result<Endpoint, String> {
-    let uri = if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
-    };
-    let e = Endpoint::from_shared(uri).map_err(|e| e.to_string())?;
+/// The endpoint for a broker address, "host:port" or a full URI; https with the
+/// cluster's TLS.
+fn endpoint(
+    addr: &str,
+    tls: Option<&tonic::transport::ClientTlsConfig>,
+) -> Result<Endpoint, String> {
+    let uri = courier_proto::tls::peer_uri(addr, tls.is_some());
+    let mut e = Endpoint::from_shared(uri).map_err(|e| e.to_string())?;
+    if let Some(tls) = tls {
+        e = e.tls_config(tls.clone()).map_err(|e| e.to_string())?;
+    }
     if e.uri().port_u16().is_none() {
         return Err("no port given".to_string());
     }
@@ -710,10 +725,10 @@ mod tests {
 
     #[test]
     fn addresses_are_checked() {
-        assert!(endpoint("127.0.0.1:26501").is_ok());
-        assert!(endpoint("http://broker-1:26501").is_ok());
-        assert!(endpoint("broker-1").is_err());
-        assert!(endpoint("not an address").is_err());
+        assert!(endpoint("127.0.0.1:26501", None).is_ok());
+        assert!(endpoint("http://broker-1:26501", None).is_ok());
+        assert!(endpoint("broker-1", None).is_err());
+        assert!(endpoint("not an address", None).is_err());
         assert!(matches!(Topology::new(&[]), Err(GatewayError::NoBrokers)));
         assert!(matches!(
             Topology::new(&["x y".into()]),

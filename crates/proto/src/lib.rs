@@ -7,6 +7,7 @@
 //! - [`validate`]: checks on client input that map to INVALID_ARGUMENT.
 //! - [`codec`]: the one place that turns domain values into cluster payloads and back.
 //! - [`mux`]: request/reply calls multiplexed on one long-lived gRPC stream.
+//! - [`tls`]: TLS on the client port and mutual TLS inside the cluster.
 //! - [`push_refusal`]: why a gateway refuses a pushed job.
 
 #![allow(clippy::derive_partial_eq_without_eq)]
@@ -15,6 +16,7 @@ pub mod codec;
 pub mod convert;
 pub mod domain;
 pub mod mux;
+pub mod tls;
 pub mod validate;
 
 /// Zeebe's gateway protocol, job part.

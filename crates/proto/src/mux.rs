@@ -318,6 +318,7 @@ mod tests {
                     partition_id: 1,
                     request: vec![0u8; 16 * 1024].into(),
                     id: 0,
+                    scope: None,
                 };
                 mux.call(open, request, deadline).await
             }));

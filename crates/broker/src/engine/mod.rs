@@ -108,6 +108,15 @@ pub enum LogCommand {
     /// Activate and push up to `target.max` of the oldest activatable jobs matching the
     /// target's stream (a stream registered after they were created).
     Backfill { target: PushTarget },
+    /// A client's command about one job, limited to the caller's `tenants`: a job
+    /// of another tenant answers as a job that does not exist, so its existence is
+    /// not told. Checked on apply, where every replica sees the same job. Last of
+    /// the variants: entries written before it read the same.
+    ClientIn {
+        cmd: Command,
+        push: Vec<PushTarget>,
+        tenants: Vec<String>,
+    },
 }
 
 impl LogCommand {
@@ -548,10 +557,14 @@ impl State {
     /// earlier attempt's answer, as far as its jobs are still where it left them):
     /// a repeat changes nothing.
     fn repeat(&self, cmd: &LogCommand) -> Option<Reply> {
-        let LogCommand::Client {
+        let (LogCommand::Client {
             cmd: Command::Once { request, command },
             ..
-        } = cmd
+        }
+        | LogCommand::ClientIn {
+            cmd: Command::Once { request, command },
+            ..
+        }) = cmd
         else {
             return None;
         };
@@ -617,6 +630,19 @@ impl State {
                     self.runnable(ts, *key, &mut Budget::default(), false, effects, changes);
                 }
                 Ok(Reply::Done)
+            }
+            LogCommand::ClientIn { cmd, push, tenants } => {
+                if let Some((key, action)) = about_job(cmd.inner()) {
+                    if self
+                        .jobs
+                        .get(&key)
+                        .is_some_and(|j| !tenants.contains(&j.tenant_id))
+                    {
+                        return Err(not_found(key, action));
+                    }
+                }
+                let mut budget = Budget::new(push, term);
+                self.apply_client(ts, cmd, &mut budget, None, effects, changes)
             }
             LogCommand::Backfill { target } => {
                 let via = target.via(term);
@@ -1129,6 +1155,20 @@ pub struct Applied {
     pub effects: Vec<Effect>,
     /// [`Command::Once`]s answered as an earlier attempt was.
     pub repeated: u32,
+}
+
+/// The job a command is about, and what it does to it in the words of the
+/// NOT_FOUND answer.
+fn about_job(cmd: &Command) -> Option<(JobKey, &'static str)> {
+    match cmd {
+        Command::Complete { key, .. } => Some((*key, "complete")),
+        Command::Fail { key, .. } => Some((*key, "fail")),
+        Command::ThrowError { key, .. } => Some((*key, "throw an error for")),
+        Command::UpdateRetries { key, .. } => Some((*key, "update retries of")),
+        Command::UpdateTimeout { key, .. } => Some((*key, "update the timeout of")),
+        Command::Cancel { key } => Some((*key, "cancel")),
+        Command::Create(_) | Command::Activate { .. } | Command::Once { .. } => None,
+    }
 }
 
 fn not_found(key: JobKey, action: &str) -> BrokerError {
