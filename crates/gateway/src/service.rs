@@ -12,7 +12,8 @@ use crate::topology::{ClusterView, Topology};
 use courier_proto::convert;
 use courier_proto::courier_v1::{self as v1, jobs_server::Jobs};
 use courier_proto::domain::{
-    ActivationProps, BrokerError, Command, JobKey, NewJob, PartitionId, Reply, Request, RequestId,
+    ActivationProps, BrokerError, Command, JobKey, JobStateKind, NewJob, PartitionId, Reply,
+    Request, RequestId,
 };
 use courier_proto::gateway_protocol::{self as gw, gateway_server::Gateway};
 use futures::{Stream, StreamExt};
@@ -43,6 +44,9 @@ const CREATE_HOP_AFTER: Duration = Duration::from_secs(1);
 const LONG_POLL_MARGIN: Duration = Duration::from_millis(100);
 /// How long giving back the jobs of an ActivateJobs answer nobody took may retry.
 const GIVE_BACK_BUDGET: Duration = Duration::from_secs(10);
+/// How long a reopening stream waits for the cluster to confirm the jobs its
+/// worker says it holds; what is not confirmed by then is not counted.
+const HELD_CHECK_BUDGET: Duration = Duration::from_secs(2);
 /// The error message of a job given back that way.
 const GIVE_BACK_MESSAGE: &str =
     "activated for an ActivateJobs call whose client went away before the answer; given back";
@@ -322,6 +326,46 @@ impl Shared {
                 return Ok(None);
             }
         }
+    }
+
+    /// The jobs of a `courier-jobs-held` claim that the cluster knows were handed
+    /// to this worker: activated now, under the worker's name, of a tenant the
+    /// caller may see. The others are dropped, so a claim cannot pin someone
+    /// else's job (a new leader takes a claimed job as delivered).
+    async fn confirmed_held(
+        &self,
+        caller: Option<&Caller>,
+        props: &ActivationProps,
+        declared: Vec<(i64, i64)>,
+    ) -> Vec<(i64, i64)> {
+        if declared.is_empty() {
+            return declared;
+        }
+        let deadline = instant_after(HELD_CHECK_BUDGET);
+        let checks = declared.into_iter().map(|(key, deadline_ms)| async move {
+            let key = JobKey(key);
+            let view = self
+                .on_job(caller, key, Request::GetJob { key }, deadline)
+                .await;
+            let confirmed = matches!(
+                view,
+                Ok(Reply::Job(v)) if v.state == JobStateKind::Activated
+                    && v.worker == props.worker
+                    && props.tenant_ids.contains(&v.tenant_id)
+            );
+            if !confirmed {
+                tracing::debug!(
+                    job_key = key.0,
+                    "a declared held job is not this worker's; not counted"
+                );
+            }
+            confirmed.then_some((key.0, deadline_ms))
+        });
+        futures::future::join_all(checks)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     /// Jobs activated for an ActivateJobs call that its answer does not carry (the
@@ -748,7 +792,10 @@ impl Gateway for GatewayService {
         }
         let (job_type, worker) = (props.job_type.clone(), props.worker.clone());
         let credit = stated_credit(request.metadata());
-        let held = declared_held(request.metadata());
+        let held = self
+            .0
+            .confirmed_held(caller.as_deref(), &props, declared_held(request.metadata()))
+            .await;
         let client = self.0.streams.join_holding(props, credit, &held);
         tracing::debug!(
             stream_id = client.stream_id(),

@@ -251,8 +251,28 @@ pub enum Command {
     /// variants: entries written before it read the same.
     Once {
         request: RequestId,
+        #[serde(deserialize_with = "once_inner")]
         command: Box<Command>,
     },
+}
+
+thread_local! {
+    /// Whether the decoder is inside a [`Command::Once`] on this thread.
+    static IN_ONCE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Decodes the command a [`Command::Once`] wraps, refusing another `Once` inside:
+/// the protocol nests one level only, and a crafted chain of them would otherwise
+/// recurse until the decoder overflowed the stack.
+fn once_inner<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Box<Command>, D::Error> {
+    if IN_ONCE.with(|c| c.replace(true)) {
+        return Err(serde::de::Error::custom(
+            "a once-only command may not wrap another",
+        ));
+    }
+    let inner = Box::<Command>::deserialize(d);
+    IN_ONCE.with(|c| c.set(false));
+    inner
 }
 
 impl Command {
@@ -372,6 +392,34 @@ impl From<BrokerError> for tonic::Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_once_wraps_one_command_and_a_chain_of_them_is_refused_not_a_stack_overflow() {
+        let once = |c: Command| Command::Once {
+            request: RequestId(7),
+            command: Box::new(c),
+        };
+        let ok = once(Command::Cancel { key: JobKey(5) });
+        let bytes = crate::codec::to_vec(&ok).unwrap();
+        assert_eq!(crate::codec::decode::<Command>(&bytes).unwrap(), ok);
+        let twice = crate::codec::to_vec(&once(ok.clone())).unwrap();
+        let e = crate::codec::decode::<Command>(&twice)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("codec"), "{e}");
+        // A million nested Onces, written by hand (the encoder would recurse too):
+        // variant 8 (Once), the request id as a one-byte varint, then the next one.
+        let mut crafted = Vec::new();
+        for _ in 0..1_000_000 {
+            crafted.extend_from_slice(&[8u8, 7]);
+        }
+        assert_eq!(&crafted[..2], &bytes[..2], "the layout of a Once changed");
+        crafted
+            .extend_from_slice(&crate::codec::to_vec(&Command::Cancel { key: JobKey(5) }).unwrap());
+        assert!(crate::codec::decode::<Command>(&crafted).is_err());
+        // The decoder is usable again after a refusal.
+        assert_eq!(crate::codec::decode::<Command>(&bytes).unwrap(), ok);
+    }
 
     #[test]
     fn keys_round_trip_their_partition() {

@@ -1416,3 +1416,101 @@ fn a_flush_signal_fires_once_or_on_drop() {
         Err(tokio::sync::oneshot::error::TryRecvError::Closed)
     ));
 }
+
+/// A command limited to tenants: a job of another tenant answers as one that does
+/// not exist, changes nothing and has no effect; a job of one of them is acted on
+/// as without the limit.
+#[test]
+fn a_command_limited_to_tenants_finds_no_job_of_another_tenant() {
+    let mut s = State::new(P);
+    let mut job = new_job("t");
+    job.tenant_id = "acme".to_string();
+    let key = match run(&mut s, T0, Command::Create(vec![job])).0 {
+        Ok(Reply::Created(keys)) => keys[0],
+        other => panic!("create failed: {other:?}"),
+    };
+    let limited = |cmd: Command, tenants: &[&str]| LogCommand::ClientIn {
+        cmd,
+        push: Vec::new(),
+        tenants: tenants.iter().map(|t| t.to_string()).collect(),
+    };
+    let others = ["<default>", "globex"];
+    let commands = [
+        (
+            Command::Complete {
+                key,
+                variables: None,
+            },
+            "complete",
+        ),
+        (
+            Command::Fail {
+                key,
+                retries: 1,
+                error_message: String::new(),
+                retry_backoff_ms: 0,
+                variables: None,
+            },
+            "fail",
+        ),
+        (
+            Command::ThrowError {
+                key,
+                error_code: "E".into(),
+                error_message: String::new(),
+                variables: None,
+            },
+            "throw an error for",
+        ),
+        (
+            Command::UpdateRetries { key, retries: 5 },
+            "update retries of",
+        ),
+        (
+            Command::UpdateTimeout {
+                key,
+                timeout_ms: 10,
+            },
+            "update the timeout of",
+        ),
+        (Command::Cancel { key }, "cancel"),
+    ];
+    for (cmd, action) in commands.clone() {
+        let once = Command::Once {
+            request: RequestId(u128::from(action.len() as u32)),
+            command: Box::new(cmd.clone()),
+        };
+        for c in [cmd, once] {
+            let before = s.job(key).cloned();
+            let (reply, effects, changes) = run_log(&mut s, T0 + 1, limited(c, &others));
+            assert_eq!(reply, Err(not_found(key, action)), "{action}");
+            assert_eq!(effects, vec![], "{action}");
+            assert!(changes.jobs.is_empty(), "{action}");
+            assert_eq!(s.job(key).cloned(), before, "{action}");
+        }
+    }
+    // The same answer as for a key that never existed: nothing tells them apart.
+    let missing = JobKey::new(P, 999);
+    let (reply, _, _) = run_log(
+        &mut s,
+        T0 + 1,
+        limited(Command::Cancel { key: missing }, &others),
+    );
+    assert_eq!(reply, Err(not_found(missing, "cancel")));
+    // Its own tenant among the caller's: carried out.
+    let (reply, effects, changes) = run_log(
+        &mut s,
+        T0 + 2,
+        limited(
+            Command::UpdateRetries { key, retries: 7 },
+            &["globex", "acme"],
+        ),
+    );
+    assert_eq!(reply, Ok(Reply::Done));
+    assert_eq!(effects, vec![]);
+    assert_eq!(changes, keys(&[key]));
+    assert_eq!(s.job(key).map(|j| j.retries), Some(7));
+    let (reply, _, _) = run_log(&mut s, T0 + 3, limited(Command::Cancel { key }, &["acme"]));
+    assert_eq!(reply, Ok(Reply::Done));
+    assert!(s.job(key).is_none());
+}
