@@ -6,6 +6,8 @@
 
 #![allow(dead_code)]
 
+pub mod secure;
+
 use courier_client::Client;
 use courier_proto::cluster::{broker_client::BrokerClient, BrokerTopology, BrokerTopologyRequest};
 use std::collections::BTreeMap;
@@ -74,6 +76,8 @@ pub struct ClusterOpts {
     /// `--election-timeout-min` and `--election-timeout-max` of every broker
     /// (None: their defaults).
     pub election_timeout: Option<(&'static str, &'static str)>,
+    /// Mutual TLS between the processes, TLS and authentication at the gateway.
+    pub secure: Option<std::sync::Arc<secure::Secure>>,
 }
 
 impl Default for ClusterOpts {
@@ -90,6 +94,7 @@ impl Default for ClusterOpts {
             lost_gateway_grace: None,
             rebalance_after: None,
             election_timeout: None,
+            secure: None,
         }
     }
 }
@@ -307,6 +312,9 @@ impl Cluster {
                 max.to_string(),
             ]);
         }
+        if let Some(s) = &self.opts.secure {
+            args.extend(s.cluster_args("broker"));
+        }
         let log = self.dir.path().join(format!("broker-{id}.log"));
         self.brokers.insert(id, Proc::spawn(&args, log));
     }
@@ -336,6 +344,10 @@ impl Cluster {
         if self.opts.gateway_no_push {
             args.push("--no-push".into());
         }
+        if let Some(s) = &self.opts.secure {
+            args.extend(s.cluster_args("gateway"));
+            args.extend(s.gateway_args());
+        }
         args.extend(self.worker_threads_args());
         let log = self.dir.path().join(format!("gateway-{i}.log"));
         let p = Proc::spawn(&args, log);
@@ -357,9 +369,13 @@ impl Cluster {
         i
     }
 
-    /// A client of gateway `i`.
+    /// A client of gateway `i` (over TLS with the admin token on a secure cluster).
     pub fn client_of(&self, i: usize) -> Client {
-        Client::connect(&self.gateway_addrs[i])
+        let security = match &self.opts.secure {
+            Some(s) => s.with_token("admin"),
+            None => courier_client::Security::default(),
+        };
+        Client::connect_with(&self.gateway_addrs[i], &security)
             .expect("client")
             .with_retry_budget(Duration::from_secs(20))
     }
@@ -448,18 +464,26 @@ impl Cluster {
     }
 
     pub fn client(&self) -> Client {
-        Client::connect(&self.gateway_addr)
-            .expect("client")
-            .with_retry_budget(Duration::from_secs(20))
+        self.client_of(0)
     }
 
-    /// The topology broker `id` reports, if it answers.
+    /// The topology broker `id` reports, if it answers (asked with the test
+    /// client's cluster certificate on a secure cluster).
     pub async fn broker_topology(&self, id: u64) -> Option<BrokerTopology> {
-        let addr = format!("http://{}", self.broker_addrs.get(&id)?);
-        let mut c = tokio::time::timeout(Duration::from_millis(500), BrokerClient::connect(addr))
+        let addr = self.broker_addrs.get(&id)?;
+        let mut endpoint = tonic::transport::Endpoint::from_shared(courier_proto::tls::peer_uri(
+            addr,
+            self.opts.secure.is_some(),
+        ))
+        .ok()?;
+        if let Some(s) = &self.opts.secure {
+            endpoint = endpoint.tls_config(s.peer_tls()).ok()?;
+        }
+        let channel = tokio::time::timeout(Duration::from_millis(500), endpoint.connect())
             .await
             .ok()?
             .ok()?;
+        let mut c = BrokerClient::new(channel);
         let r = tokio::time::timeout(
             Duration::from_millis(500),
             c.topology(BrokerTopologyRequest {}),
