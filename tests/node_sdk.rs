@@ -17,6 +17,8 @@
 
 mod common;
 
+use common::secure::Secure;
+
 use common::{
     assert_all_completed, create_in_batches, serial, wait_until, ClientProc, Cluster, ClusterOpts,
 };
@@ -58,8 +60,14 @@ fn start_node_worker(
     jobs: usize,
     timeout_ms: u32,
 ) -> ClientProc {
+    let env = cluster
+        .opts
+        .secure
+        .as_ref()
+        .map(|s| s.zeebe_env("node-worker", "node-secret", cluster.dir.path()))
+        .unwrap_or_default();
     let path = compat_dir().join(script);
-    ClientProc::spawn(
+    ClientProc::spawn_with_env(
         Path::new("node"),
         &[
             path.to_str().expect("utf-8 path"),
@@ -68,6 +76,7 @@ fn start_node_worker(
             &jobs.to_string(),
             &timeout_ms.to_string(),
         ],
+        &env,
         cluster.dir.path().join(format!("{script}.out")),
     )
 }
@@ -160,4 +169,46 @@ async fn node_sdk_polling_worker_completes_100_jobs() {
         (0.0, POLL_JOBS as f64),
         "every job must be polled and none pushed (pushed, polled)"
     );
+}
+
+/// The SDK's stream worker over TLS (checked against the cluster's CA) with an
+/// OAuth token from the tests' provider: every job is pushed and completed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_sdk_over_tls_with_oauth_completes_pushed_jobs() {
+    let _g = serial().await;
+    require_node_and_sdk();
+    let s = Secure::new(&[], &[("node-worker", "node-secret", &["<default>"])]).await;
+    let cluster = Cluster::start(ClusterOpts {
+        secure: Some(s.clone()),
+        ..ClusterOpts::one_broker(2)
+    })
+    .await;
+    let c = cluster.client();
+    let mut worker = start_node_worker(&cluster, "stream-worker.mjs", "node-secure", 50, 30_000);
+    wait_until(
+        Duration::from_secs(20),
+        "the node worker is ready over TLS",
+        || {
+            assert!(
+                !worker.exited_ok(),
+                "the node worker exited early: {}",
+                worker.output()
+            );
+            let ready = worker.output().lines().any(|l| l == "ready");
+            let cluster = &cluster;
+            async move {
+                ready
+                    && cluster
+                        .broker_metric("courier_broker_registered_streams")
+                        .await
+                        == 1.0
+            }
+        },
+    )
+    .await;
+    let keys = create_in_batches(&c, "node-secure", 5, 10).await;
+    worker.wait_for_keys(Duration::from_secs(30), &keys).await;
+    assert_all_completed(&c, &keys).await;
+    assert_eq!(cluster.pushed_and_polled().await, (50.0, 0.0));
+    assert!(s.oauth.issued.load(std::sync::atomic::Ordering::SeqCst) >= 1);
 }

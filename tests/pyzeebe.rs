@@ -15,6 +15,8 @@
 
 mod common;
 
+use common::secure::Secure;
+
 use common::{
     assert_all_completed, create_in_batches, serial, wait_registered, ClientProc, Cluster,
     ClusterOpts,
@@ -49,23 +51,34 @@ fn python() -> PathBuf {
 /// those and that every one is completed. Returns the gateway's (pushed, polled)
 /// job counts.
 async fn pyzeebe_worker_completes_every_job(mode: &str) -> (f64, f64) {
+    pyzeebe_completes(ClusterOpts::default(), mode, JOBS).await
+}
+
+/// Runs the pyzeebe worker in `mode` against a cluster of `opts` (over TLS with
+/// OAuth on a secure one) and checks that it completes `jobs` jobs.
+async fn pyzeebe_completes(opts: ClusterOpts, mode: &str, jobs: usize) -> (f64, f64) {
     let python = python();
-    let cluster = Cluster::start(ClusterOpts::default()).await;
+    let secure = opts.secure.clone();
+    let cluster = Cluster::start(opts).await;
     let c = cluster.client();
     let job_type = format!("pyzeebe-{mode}");
     let script = compat_dir().join("pyzeebe-worker.py");
+    let env = secure
+        .map(|s| s.zeebe_env("pyzeebe-worker", "pyzeebe-secret", cluster.dir.path()))
+        .unwrap_or_default();
     // Declared after the cluster, so dropped (killed) before it.
-    let mut worker = ClientProc::spawn(
+    let mut worker = ClientProc::spawn_with_env(
         &python,
         &[
             script.to_str().expect("utf-8 path"),
             &cluster.gateway_addr,
             &job_type,
-            &JOBS.to_string(),
+            &jobs.to_string(),
             mode,
             // The script's own deadline in seconds, within the test's 60 s.
             "50",
         ],
+        &env,
         cluster
             .dir
             .path()
@@ -73,10 +86,10 @@ async fn pyzeebe_worker_completes_every_job(mode: &str) -> (f64, f64) {
     );
 
     if mode == "stream" {
-        // pyzeebe's one stream, registered with each of the 3 brokers.
-        wait_registered(&cluster, 3.0).await;
+        // pyzeebe's one stream, registered with each broker.
+        wait_registered(&cluster, cluster.opts.brokers as f64).await;
     }
-    let keys = create_in_batches(&c, &job_type, 10, JOBS / 10).await;
+    let keys = create_in_batches(&c, &job_type, 10, jobs / 10).await;
     worker.wait_for_keys(Duration::from_secs(60), &keys).await;
     // pyzeebe logs a failed CompleteJob and goes on, so see for ourselves.
     assert_all_completed(&c, &keys).await;
@@ -105,4 +118,19 @@ async fn pyzeebe_polling_worker_completes_100_jobs() {
         polled >= JOBS as f64,
         "every job must be activated by a poll (polled {polled})"
     );
+}
+
+/// pyzeebe over TLS (checked against the cluster's CA) with OAuth client
+/// credentials from the tests' provider, streaming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzeebe_over_tls_with_oauth_completes_jobs() {
+    let _g = serial().await;
+    let s = Secure::new(&[], &[("pyzeebe-worker", "pyzeebe-secret", &["<default>"])]).await;
+    let opts = ClusterOpts {
+        secure: Some(s.clone()),
+        ..ClusterOpts::one_broker(2)
+    };
+    let (pushed, polled) = pyzeebe_completes(opts, "stream", 50).await;
+    assert!(pushed + polled >= 50.0, "pushed {pushed}, polled {polled}");
+    assert!(s.oauth.issued.load(std::sync::atomic::Ordering::SeqCst) >= 1);
 }

@@ -210,6 +210,28 @@ async fn a_secure_cluster_serves_authenticated_clients_over_tls_and_refuses_the_
         tonic_health::pb::health_check_response::ServingStatus::Serving as i32
     );
 
+    // `courier worker` with Zeebe's OAuth variables and the CA in COURIER_TLS_CA.
+    let mut env = s.zeebe_env("billing-worker", "billing-secret", cluster.dir.path());
+    env.push(("COURIER_TLS_CA", s.path("ca.pem")));
+    env.push(("COURIER_ADDRESS", cluster.gateway_addr.clone()));
+    let cli = common::ClientProc::spawn_with_env(
+        std::path::Path::new(common::courier_bin()),
+        &["worker", "secure-cli", "--handler", "cat"],
+        &env,
+        cluster.dir.path().join("cli-worker.out"),
+    );
+    let keys = common::create_in_batches(&admin, "secure-cli", 1, 5).await;
+    common::assert_all_completed(&admin, &keys).await;
+    wait_until(
+        Duration::from_secs(10),
+        "the CLI worker reports 5 jobs",
+        || {
+            let n = cli.output().matches("completed job").count();
+            async move { n == 5 }
+        },
+    )
+    .await;
+
     // After all that, the cluster still serves everyone else.
     let k = admin
         .create_job(NewJob::new("after"))
@@ -418,4 +440,71 @@ async fn the_client_port_certificate_is_reloaded_when_its_files_change() {
         old.topology().await.is_err(),
         "a new connection no longer gets the old certificate"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn courier_dev_brokers_are_never_open_even_on_loopback() {
+    let _g = serial().await;
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = format!("127.0.0.1:{}", common::free_port());
+    let log = dir.path().join("dev.log");
+    let _dev = common::Proc::spawn(
+        &[
+            "dev".into(),
+            "--data-dir".into(),
+            dir.path().join("data").display().to_string(),
+            "--gateway-addr".into(),
+            gateway.clone(),
+            "--metrics-addr".into(),
+            "off".into(),
+        ],
+        log.clone(),
+    );
+    let c = Client::connect(&gateway)
+        .unwrap()
+        .with_retry_budget(Duration::from_secs(20));
+    let key = c
+        .create_job(NewJob::new("dev"))
+        .await
+        .expect("dev serves through its gateway")
+        .key;
+    c.cancel_job(key).await.expect("cancel");
+    // The broker's address, as the gateway logs it: brokers=["127.0.0.1:PORT"].
+    let text = std::fs::read_to_string(&log).unwrap();
+    let broker = text
+        .split("brokers=[\"")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .expect("the gateway names its broker")
+        .to_string();
+    broker_refuses(&broker, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_without_cluster_tls_beyond_loopback_warns_at_start() {
+    let _g = serial().await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("broker.log");
+    // Listening on every interface; nothing is sent anywhere.
+    let _broker = common::Proc::spawn(
+        &[
+            "broker".into(),
+            "--node-id".into(),
+            "1".into(),
+            "--addr".into(),
+            "0.0.0.0:0".into(),
+            "--peers".into(),
+            "1=0.0.0.0:0".into(),
+            "--partitions".into(),
+            "1".into(),
+            "--data-dir".into(),
+            dir.path().join("data").display().to_string(),
+        ],
+        log.clone(),
+    );
+    wait_until(Duration::from_secs(20), "the broker warns that its port is open", || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        async move { text.contains("THIS BROKER'S PORT IS OPEN") && text.contains("--cluster-ca") }
+    })
+    .await;
 }

@@ -6,6 +6,7 @@
 
 mod common;
 
+use common::secure::Secure;
 use common::{serial, Cluster, ClusterOpts};
 use courier_client::{JobState, NewJob};
 use std::path::PathBuf;
@@ -251,4 +252,104 @@ async fn zbctl_streaming_worker_completes_500_jobs_pushed_by_courier() {
         pushed >= 150.0,
         "only {pushed} of 500 jobs were pushed ({polled} polled)"
     );
+}
+
+/// zbctl's security flags: TLS checked against the cluster's CA (`--certPath`) and
+/// OAuth client credentials from the tests' provider, its token cache in the
+/// test's own folder.
+fn secure_args(cluster: &Cluster, s: &Secure, audience: &str) -> Vec<String> {
+    vec![
+        "--address".into(),
+        cluster.gateway_addr.clone(),
+        "--certPath".into(),
+        s.path("ca.pem"),
+        "--clientId".into(),
+        "zbctl-worker".into(),
+        "--clientSecret".into(),
+        "zbctl-secret".into(),
+        "--authzUrl".into(),
+        s.oauth.token_url(),
+        "--audience".into(),
+        audience.into(),
+        "--clientCache".into(),
+        cluster
+            .dir
+            .path()
+            .join(format!("zbctl-{audience}.yml"))
+            .display()
+            .to_string(),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zbctl_over_tls_with_oauth_client_credentials_completes_jobs() {
+    let _g = serial().await;
+    let s = Secure::new(&[], &[("zbctl-worker", "zbctl-secret", &["<default>"])]).await;
+    let cluster = Cluster::start(ClusterOpts {
+        secure: Some(s.clone()),
+        ..ClusterOpts::one_broker(2)
+    })
+    .await;
+    let c = cluster.client();
+    let zb = |extra: &[String], args: &[&str]| {
+        Command::new(zbctl())
+            .env("HOME", cluster.dir.path())
+            .args(extra)
+            .args(args)
+            .output()
+            .expect("run zbctl")
+    };
+    let good = secure_args(&cluster, &s, common::secure::AUDIENCE);
+    let out = zb(&good, &["status"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Leader, Healthy"));
+
+    // A token for another audience, and no credentials at all: refused. (zbctl
+    // fetches a new token after UNAUTHENTICATED and tries again until its deadline.)
+    let out = zb(&secure_args(&cluster, &s, "someone-else"), &["status"]);
+    assert!(!out.status.success());
+    assert!(
+        cluster
+            .gateway_metric(0, "courier_gateway_auth_refused_total")
+            .await
+            >= 1.0
+    );
+    let tls_only = [
+        "--address".to_string(),
+        cluster.gateway_addr.clone(),
+        "--certPath".into(),
+        s.path("ca.pem"),
+    ];
+    let out = zb(&tls_only, &["status"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Unauthenticated"));
+
+    // A streaming worker over TLS with OAuth completes every job.
+    let log = std::fs::File::create(cluster.dir.path().join("zbctl-worker.log")).expect("log");
+    let _worker = KillOnDrop(
+        Command::new(zbctl())
+            .env("HOME", cluster.dir.path())
+            .args(&good)
+            .args([
+                "create",
+                "worker",
+                "zb-secure",
+                "--handler",
+                "cat",
+                "--streamEnabled",
+            ])
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start zbctl worker"),
+    );
+    common::wait_registered(&cluster, 1.0).await;
+    let keys = common::create_in_batches(&c, "zb-secure", 2, 25).await;
+    common::assert_all_completed(&c, &keys).await;
+    let (pushed, _) = cluster.pushed_and_polled().await;
+    assert!(pushed > 0.0, "jobs were pushed over TLS");
 }

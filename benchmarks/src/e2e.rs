@@ -6,8 +6,7 @@
 use crate::drive::{self, created_us, now_us, Seen, Window};
 use crate::{histogram, payload, Outcome};
 use anyhow::Context;
-use courier_client::{ActivateJobs, Client, NewJob};
-use courier_proto::gateway_protocol::{gateway_client::GatewayClient, StreamActivatedJobsRequest};
+use courier_client::{ActivateJobs, Client, NewJob, StreamJobs};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -50,25 +49,15 @@ pub struct E2eArgs {
     /// Also save the measured latencies to this file, for `merge`.
     #[arg(long)]
     pub histogram_out: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub security: crate::SecurityArgs,
 }
 
-async fn push_worker(
-    address: String,
-    job_type: String,
-    client: Client,
-    seen: Seen,
-) -> anyhow::Result<()> {
-    let mut g = GatewayClient::connect(format!("http://{address}")).await?;
-    let mut stream = g
-        .stream_activated_jobs(StreamActivatedJobsRequest {
-            r#type: job_type,
-            worker: "bench".into(),
-            timeout: 30_000,
-            fetch_variable: vec![],
-            tenant_ids: vec![],
-        })
-        .await?
-        .into_inner();
+async fn push_worker(job_type: String, client: Client, seen: Seen) -> anyhow::Result<()> {
+    let request = StreamJobs::new(job_type)
+        .worker("bench")
+        .timeout(Duration::from_secs(30));
+    let mut stream = client.stream_activated_jobs(request).await?;
     while let Some(job) = stream.message().await? {
         if let Some(t) = created_us(job.variables.as_bytes()) {
             let _ = seen.send((t, now_us().saturating_sub(t)));
@@ -103,22 +92,17 @@ fn job(job_type: &str, pad: &str, created: u64) -> NewJob {
 }
 
 pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
-    let client = Client::connect(&a.address)?.with_retry_budget(Duration::from_secs(5));
+    let client = a.security.client(&a.address)?;
     client.topology().await.context("gateway not reachable")?;
     // A type of its own, so jobs of other runs never mix in.
     let job_type = format!("bench-{:?}-{}", a.mode, now_us()).to_lowercase();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut workers = Vec::new();
     for _ in 0..a.workers.max(1) {
-        let (t, c, s, addr) = (
-            job_type.clone(),
-            client.clone(),
-            tx.clone(),
-            a.address.clone(),
-        );
+        let (t, c, s) = (job_type.clone(), client.clone(), tx.clone());
         workers.push(tokio::spawn(async move {
             match a.mode {
-                Mode::Push => push_worker(addr, t, c, s).await,
+                Mode::Push => push_worker(t, c, s).await,
                 Mode::Poll => poll_worker(t, c, s).await,
             }
         }));

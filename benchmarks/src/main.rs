@@ -80,6 +80,33 @@ struct CreateArgs {
     /// Print JSON as well as the table row.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    security: SecurityArgs,
+}
+
+/// TLS and a token towards a secure gateway.
+#[derive(clap::Args, Clone, Default)]
+pub(crate) struct SecurityArgs {
+    /// PEM file of the CA of the gateway's certificate: TLS with it.
+    #[arg(long)]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// A static token of the gateway.
+    #[arg(long)]
+    pub token: Option<String>,
+}
+
+impl SecurityArgs {
+    /// A client of `address` with these settings.
+    pub fn client(&self, address: &str) -> anyhow::Result<Client> {
+        let security = courier_client::Security {
+            tls_ca: self.tls_ca.clone(),
+            credentials: match &self.token {
+                Some(t) => courier_client::Credentials::Token(t.clone()),
+                None => courier_client::Credentials::None,
+            },
+        };
+        Ok(Client::connect_with(address, &security)?.with_retry_budget(Duration::from_secs(5)))
+    }
 }
 
 pub(crate) fn histogram() -> anyhow::Result<Histogram<u64>> {
@@ -208,7 +235,7 @@ pub(crate) fn ms(us: u64) -> f64 {
 }
 
 async fn create(a: CreateArgs) -> anyhow::Result<()> {
-    let client = Client::connect(&a.address)?.with_retry_budget(Duration::from_secs(5));
+    let client = a.security.client(&a.address)?;
     client.topology().await.context("gateway not reachable")?;
     let measure_from = Instant::now() + Duration::from_secs(a.warmup);
     let until = measure_from + Duration::from_secs(a.duration);

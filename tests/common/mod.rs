@@ -730,9 +730,20 @@ pub struct ClientProc {
 impl ClientProc {
     /// Starts `program args`, its output in `out`.
     pub fn spawn(program: &Path, args: &[&str], out: PathBuf) -> ClientProc {
+        Self::spawn_with_env(program, args, &[], out)
+    }
+
+    /// [`ClientProc::spawn`] with `env` added to the environment.
+    pub fn spawn_with_env(
+        program: &Path,
+        args: &[&str],
+        env: &[(&str, String)],
+        out: PathBuf,
+    ) -> ClientProc {
         let file = std::fs::File::create(&out).expect("client output file");
         let child = Command::new(program)
             .args(args)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdin(Stdio::null())
             .stdout(file.try_clone().expect("client output file"))
             .stderr(file)

@@ -140,6 +140,29 @@ impl Secure {
     }
 }
 
+impl Secure {
+    /// The environment a Zeebe client (zbctl, the Node.js SDK, pyzeebe) is given
+    /// for TLS against this CA and OAuth client credentials `id`/`secret`, with the
+    /// variable names those clients read; `home` keeps token caches apart.
+    pub fn zeebe_env(
+        &self,
+        id: &str,
+        secret: &str,
+        home: &std::path::Path,
+    ) -> Vec<(&'static str, String)> {
+        vec![
+            ("ZEEBE_CA_CERTIFICATE_PATH", self.path("ca.pem")),
+            ("ZEEBE_CLIENT_ID", id.to_string()),
+            ("ZEEBE_CLIENT_SECRET", secret.to_string()),
+            ("ZEEBE_AUTHORIZATION_SERVER_URL", self.oauth.token_url()),
+            ("ZEEBE_TOKEN_AUDIENCE", AUDIENCE.to_string()),
+            // The provider is plain HTTP on loopback; oauthlib (pyzeebe) wants leave.
+            ("OAUTHLIB_INSECURE_TRANSPORT", "1".to_string()),
+            ("HOME", home.display().to_string()),
+        ]
+    }
+}
+
 /// Runs `courier ARGS` to its end; panics with its output if it fails.
 pub fn run_courier(args: &[&str]) -> String {
     let out = Command::new(courier_bin())

@@ -12,15 +12,37 @@
 # stopped (pyzeebe's stop waits for the handlers, and so for their CompleteJob
 # calls), and 1 with a message on stderr when the time runs out or the worker fails.
 # Whether the completions took effect is for the Rust test to check.
+#
+# Plaintext, unless ZEEBE_CA_CERTIFICATE_PATH names a CA: then TLS checked against
+# it, with an OAuth token for the client credentials in ZEEBE_CLIENT_ID,
+# ZEEBE_CLIENT_SECRET, ZEEBE_AUTHORIZATION_SERVER_URL and ZEEBE_TOKEN_AUDIENCE.
 
 import asyncio
+import os
 import sys
 
-from pyzeebe import Job, ZeebeWorker, create_insecure_channel
+import grpc
+from pyzeebe import Job, ZeebeWorker, create_insecure_channel, create_oauth2_client_credentials_channel
+
+
+def channel_for(address: str):
+    ca = os.environ.get("ZEEBE_CA_CERTIFICATE_PATH")
+    if not ca:
+        return create_insecure_channel(grpc_address=address)
+    with open(ca, "rb") as f:
+        root = f.read()
+    return create_oauth2_client_credentials_channel(
+        grpc_address=address,
+        client_id=os.environ["ZEEBE_CLIENT_ID"],
+        client_secret=os.environ["ZEEBE_CLIENT_SECRET"],
+        authorization_server=os.environ["ZEEBE_AUTHORIZATION_SERVER_URL"],
+        audience=os.environ["ZEEBE_TOKEN_AUDIENCE"],
+        channel_credentials=grpc.ssl_channel_credentials(root_certificates=root),
+    )
 
 
 async def main(address: str, job_type: str, expected: int, stream: bool, timeout_s: float) -> int:
-    channel = create_insecure_channel(grpc_address=address)
+    channel = channel_for(address)
     worker = ZeebeWorker(channel, name="pyzeebe-worker", stream_enabled=stream, poll_retry_delay=1)
     handled: set[int] = set()
     all_handled = asyncio.Event()

@@ -33,15 +33,38 @@ setTimeout(
 	timeoutMs,
 ).unref()
 
-// Explicit configuration, so that no CAMUNDA_* / ZEEBE_* variable of the
-// environment can point the worker elsewhere: `grpc://` means plaintext (no TLS)
-// and the NONE strategy sends no OAuth token.
-const c8 = new sdk.Camunda8({
-	ZEEBE_GRPC_ADDRESS: `grpc://${address}`,
-	CAMUNDA_AUTH_STRATEGY: 'NONE',
-	CAMUNDA_LOG_LEVEL: 'info',
-})
+// Explicit configuration, so that no other CAMUNDA_* / ZEEBE_* variable of the
+// environment can point the worker elsewhere. Plaintext without OAuth (`grpc://`,
+// the NONE strategy), unless ZEEBE_CA_CERTIFICATE_PATH names a CA: then TLS
+// (`grpcs://`) checked against it, and an OAuth token for the client credentials
+// in ZEEBE_CLIENT_ID, ZEEBE_CLIENT_SECRET, ZEEBE_AUTHORIZATION_SERVER_URL and
+// ZEEBE_TOKEN_AUDIENCE (no token cache on disk).
+const env = process.env
+const c8 = new sdk.Camunda8(
+	env.ZEEBE_CA_CERTIFICATE_PATH
+		? {
+				ZEEBE_GRPC_ADDRESS: `grpcs://${address}`,
+				CAMUNDA_CUSTOM_ROOT_CERT_PATH: env.ZEEBE_CA_CERTIFICATE_PATH,
+				CAMUNDA_AUTH_STRATEGY: 'OAUTH',
+				CAMUNDA_OAUTH_URL: env.ZEEBE_AUTHORIZATION_SERVER_URL,
+				ZEEBE_CLIENT_ID: env.ZEEBE_CLIENT_ID,
+				ZEEBE_CLIENT_SECRET: env.ZEEBE_CLIENT_SECRET,
+				ZEEBE_TOKEN_AUDIENCE: env.ZEEBE_TOKEN_AUDIENCE,
+				CAMUNDA_TOKEN_DISK_CACHE_DISABLE: true,
+				CAMUNDA_LOG_LEVEL: 'info',
+			}
+		: {
+				ZEEBE_GRPC_ADDRESS: `grpc://${address}`,
+				CAMUNDA_AUTH_STRATEGY: 'NONE',
+				CAMUNDA_LOG_LEVEL: 'info',
+			},
+)
 const zeebe = c8.getZeebeGrpcApiClient()
+// The SDK reads the custom root certificate asynchronously, and a stream worker
+// opened before that is done connects without it. A first call waits for it.
+if (env.ZEEBE_CA_CERTIFICATE_PATH) {
+	await zeebe.topology().catch((e) => fail(`the gateway does not answer over TLS: ${e.message}`))
+}
 
 // Resolves once the stream is open and the backfill poll (below) is answered; it
 // rejects when that poll fails.

@@ -269,6 +269,9 @@ pub fn issue(
     let ca_key = KeyPair::from_pem(ca_key_pem).context("the CA key does not load")?;
     let issuer =
         Issuer::from_ca_cert_pem(ca_pem, ca_key).context("the CA certificate does not load")?;
+    if let Some(bad) = hosts.iter().find(|h| !is_host(h)) {
+        bail!("--host '{bad}' is not a host name or IP address");
+    }
     let key = KeyPair::generate()?;
     let mut params = CertificateParams::new(hosts.to_vec())
         .context("a --host is not a host name or IP address")?;
@@ -285,6 +288,24 @@ pub fn issue(
     set_validity(&mut params, days);
     let cert = params.signed_by(&key, &issuer)?;
     Ok((cert.pem(), key.serialize_pem()))
+}
+
+/// An IP address, or a DNS name: dot-separated labels of letters, digits and
+/// hyphens (the first may be `*`).
+fn is_host(h: &str) -> bool {
+    if h.parse::<std::net::IpAddr>().is_ok() {
+        return true;
+    }
+    !h.is_empty()
+        && h.len() <= 253
+        && h.split('.').enumerate().all(|(i, label)| {
+            (i == 0 && label == "*")
+                || (!label.is_empty()
+                    && label.len() <= 63
+                    && !label.starts_with('-')
+                    && !label.ends_with('-')
+                    && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'))
+        })
 }
 
 fn set_validity(params: &mut CertificateParams, days: u32) {
@@ -365,7 +386,8 @@ mod tests {
     #[test]
     fn bad_hosts_and_missing_ca_files_say_why() {
         let (ca, ca_key) = new_ca("test CA", 1).unwrap();
-        assert!(issue(&ca, &ca_key, "b", &["not a host".into()], 1).is_err());
+        let e = issue(&ca, &ca_key, "b", &["not a host".into()], 1).unwrap_err();
+        assert!(e.to_string().contains("'not a host'"), "{e}");
         let dir = tempfile::tempdir().unwrap();
         let e = cert(CertCmd::Issue {
             name: "b".into(),

@@ -199,7 +199,9 @@ pub struct GatewayArgs {
 /// What the servers log unless `RUST_LOG` says otherwise. openraft warns of every
 /// failed attempt to reach a peer that is down; its errors are kept, but for the
 /// one of each call that could not reach a peer ([`QuietUnreachablePeers`]).
-const SERVER_LOG: &str = "info,openraft=error";
+/// rustls warns of every client that names an IP address in its TLS SNI (the
+/// Node.js and Java clients do), which it ignores as it should.
+const SERVER_LOG: &str = "info,openraft=error,rustls=error";
 
 /// Logs to stderr: `default_filter`, or what `RUST_LOG` asks for.
 pub fn init_tracing(default_filter: &str) {
