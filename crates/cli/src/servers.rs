@@ -418,7 +418,7 @@ pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
             .context("gateway")
     });
     eprintln!(
-        "courier dev: {} broker(s), {} partition(s), replication factor {rf}, durability {:?}\n  gateway  {} ({})\n  auth     {}\n  metrics  {}\n  data     {}\n  threads  {} (--worker-threads)\nPress Ctrl-C to stop.",
+        "courier dev: {} broker(s), {} partition(s), replication factor {rf}, durability {:?}\n  gateway  {} ({})\n  auth     {}\n  brokers  mutual TLS with a CA of this run, held in memory\n  metrics  {}\n  data     {}\n  threads  {} (--worker-threads)\nPress Ctrl-C to stop.",
         a.brokers,
         a.partitions,
         a.durability,

@@ -71,7 +71,22 @@ pub(crate) fn status_text(status: &tonic::Status) -> String {
             text.push_str(&c);
         }
     }
+    if let Some(hint) = tls_hint(&text) {
+        text.push_str(hint);
+    }
     text
+}
+
+/// What a plaintext client at a TLS port, or a TLS client at a plaintext port,
+/// reads in its error, explained.
+fn tls_hint(text: &str) -> Option<&'static str> {
+    if text.contains("frame with invalid size") || text.contains("invalid HTTP version") {
+        Some(" (the gateway may speak TLS: use --tls-ca FILE or an https:// address)")
+    } else if text.contains("InvalidContentType") || text.contains("corrupt message") {
+        Some(" (the gateway may not speak TLS: use a plain host:port address)")
+    } else {
+        None
+    }
 }
 
 /// The code's name as gRPC spells it (`NOT_FOUND`), which is what users search for;
