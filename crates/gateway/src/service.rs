@@ -719,7 +719,7 @@ impl Gateway for GatewayService {
                 return Err(Status::invalid_argument(m));
             }
         };
-        if let Err(e) = worker_tenants(caller.as_deref(), &mut props, &req.tenant_ids) {
+        if let Err(e) = auth::worker_tenants(caller.as_deref(), &mut props, &req.tenant_ids) {
             observer.finish(tonic::Code::PermissionDenied);
             return Err(e.into());
         }
@@ -785,7 +785,8 @@ impl Gateway for GatewayService {
             }
         };
         let caller = auth::caller(&request);
-        if let Err(e) = worker_tenants(caller.as_deref(), &mut props, &request.get_ref().tenant_ids)
+        if let Err(e) =
+            auth::worker_tenants(caller.as_deref(), &mut props, &request.get_ref().tenant_ids)
         {
             observer.finish(tonic::Code::PermissionDenied);
             return Err(e.into());
@@ -1098,7 +1099,7 @@ impl Jobs for JobsService {
         let span = tracing::info_span!("CreateJob", job_type = %loggable(&r.r#type));
         unary("CreateJob", span, async {
             let mut job = convert::create_request(&r).map_err(invalid)?;
-            own_tenant(caller.as_deref(), &mut job, r.tenant_id.is_empty())?;
+            auth::own_tenant(caller.as_deref(), &mut job, r.tenant_id.is_empty())?;
             let (keys, partition) = self.0.create(vec![job], deadline).await?;
             let key = keys.first().ok_or_else(|| {
                 GatewayError::from(BrokerError::Internal("broker created no job".into()))
@@ -1123,7 +1124,7 @@ impl Jobs for JobsService {
         unary("CreateJobs", span, async {
             let mut jobs = create_batch(&r.jobs)?;
             for (job, asked) in jobs.iter_mut().zip(&r.jobs) {
-                own_tenant(caller.as_deref(), job, asked.tenant_id.is_empty())?;
+                auth::own_tenant(caller.as_deref(), job, asked.tenant_id.is_empty())?;
             }
             let (keys, partition) = self.0.create(jobs, deadline).await?;
             Ok(v1::CreateJobsResponse {
@@ -1175,55 +1176,6 @@ impl Jobs for JobsService {
         })
         .await
     }
-}
-
-/// A job created by `caller` belongs to one of its tenants: one that names none
-/// (`unnamed`) gets the caller's default tenant, one that names another is
-/// PERMISSION_DENIED.
-fn own_tenant(
-    caller: Option<&Caller>,
-    job: &mut NewJob,
-    unnamed: bool,
-) -> Result<(), GatewayError> {
-    let Some(caller) = caller else {
-        return Ok(());
-    };
-    if unnamed {
-        job.tenant_id = caller.default_tenant().to_string();
-    }
-    if caller.may(&job.tenant_id) {
-        Ok(())
-    } else {
-        Err(not_yours(caller, &job.tenant_id))
-    }
-}
-
-/// The tenants a worker of `caller` takes jobs of: those it asked for, each one
-/// of the caller's (PERMISSION_DENIED otherwise), or the caller's default tenant
-/// when it asked for none.
-fn worker_tenants(
-    caller: Option<&Caller>,
-    props: &mut ActivationProps,
-    asked: &[String],
-) -> Result<(), GatewayError> {
-    let Some(caller) = caller else {
-        return Ok(());
-    };
-    if asked.is_empty() {
-        props.tenant_ids = vec![caller.default_tenant().to_string()];
-        return Ok(());
-    }
-    match props.tenant_ids.iter().find(|t| !caller.may(t)) {
-        Some(t) => Err(not_yours(caller, t)),
-        None => Ok(()),
-    }
-}
-
-fn not_yours(caller: &Caller, tenant: &str) -> GatewayError {
-    GatewayError::PermissionDenied(format!(
-        "tenant '{tenant}' is not among this client's tenants ({})",
-        caller.tenants.join(", ")
-    ))
 }
 
 /// Validates a CreateJobs batch; errors name the offending entry.

@@ -7,6 +7,7 @@ use super::Caller;
 use courier_proto::validate;
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, JwkSet};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::RwLock;
 use std::time::{Duration, Instant, SystemTime};
@@ -130,7 +131,16 @@ pub struct JwtVerifier {
     keys: RwLock<Keys>,
     /// Asked when a token names a key not known here.
     refresh_wanted: Notify,
+    /// The least time between two fetches of a JWKS URL ([`KEYS_RETRY`]).
+    min_refetch: Duration,
+    /// Tokens that passed, by their SHA-256, with their caller and `exp`: a client
+    /// sends the same token on every call until it expires, and a signature check
+    /// costs far more than a hash. Emptied when the keys change.
+    verified: std::sync::Mutex<HashMap<[u8; 32], (Caller, i64)>>,
 }
+
+/// Most tokens remembered as verified; past that the memory starts anew.
+const MAX_VERIFIED: usize = 10_000;
 
 /// The algorithms a JWK's key can verify.
 fn algorithms_of(jwk: &Jwk) -> Vec<Algorithm> {
@@ -191,7 +201,15 @@ impl JwtVerifier {
                 loaded: None,
             }),
             refresh_wanted: Notify::new(),
+            min_refetch: KEYS_RETRY,
+            verified: std::sync::Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The same, fetching a JWKS URL at most every `d` (tests).
+    pub fn with_min_refetch(mut self, d: Duration) -> JwtVerifier {
+        self.min_refetch = d;
+        self
     }
 
     /// A verifier with the keys of a JWKS document (tests, and files read at start).
@@ -206,6 +224,12 @@ impl JwtVerifier {
             keys,
             loaded: modified,
         };
+        // A token of a key that is gone must not pass on the strength of the past.
+        self.verified_tokens().clear();
+    }
+
+    fn verified_tokens(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 32], (Caller, i64)>> {
+        self.verified.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Loads the keys once from their source.
@@ -237,14 +261,14 @@ impl JwtVerifier {
         loop {
             let wait = match (&self.settings.keys, failing) {
                 (KeySource::File(_), _) => FILE_CHECK,
-                (KeySource::Url(_), true) => KEYS_RETRY,
+                (KeySource::Url(_), true) => self.min_refetch,
                 (KeySource::Url(_), false) => KEYS_REFRESH,
             };
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(wait) => {}
                 _ = self.refresh_wanted.notified() => {
-                    let soonest = last_fetch + KEYS_RETRY;
+                    let soonest = last_fetch + self.min_refetch;
                     tokio::select! {
                         _ = shutdown.cancelled() => return,
                         _ = tokio::time::sleep_until(soonest.into()) => {}
@@ -277,6 +301,25 @@ impl JwtVerifier {
 
     /// The caller a JWT speaks for, or why it is refused.
     pub fn verify(&self, token: &str) -> Result<Caller, JwtError> {
+        let digest = super::sha256(token.as_bytes());
+        let now = courier_proto::domain::epoch_ms() / 1000;
+        let leeway = i64::try_from(LEEWAY_SECS).unwrap_or(0);
+        if let Some((caller, exp)) = self.verified_tokens().get(&digest) {
+            if now <= exp.saturating_add(leeway) {
+                return Ok(caller.clone());
+            }
+        }
+        let (caller, exp) = self.check(token)?;
+        let mut verified = self.verified_tokens();
+        if verified.len() >= MAX_VERIFIED {
+            verified.clear();
+        }
+        verified.insert(digest, (caller.clone(), exp));
+        Ok(caller)
+    }
+
+    /// Every check of a token: its caller and its `exp`.
+    fn check(&self, token: &str) -> Result<(Caller, i64), JwtError> {
         use Algorithm::*;
         let header =
             jsonwebtoken::decode_header(token).map_err(|e| JwtError::Unreadable(e.to_string()))?;
@@ -333,7 +376,12 @@ impl JwtVerifier {
             None => Vec::new(),
             Some(claim) => tenants_from(claims.get(claim), claim)?,
         };
-        Ok(Caller::new(name, tenants))
+        // Required and checked above: a number.
+        let exp = claims
+            .get("exp")
+            .and_then(serde_json::Value::as_i64)
+            .unwrap_or(0);
+        Ok((Caller::new(name, tenants), exp))
     }
 }
 
@@ -381,6 +429,7 @@ mod tests {
     use super::*;
     use jsonwebtoken::{encode, EncodingKey, Header};
     use serde_json::json;
+    use std::sync::Arc;
 
     const JWKS: &str = include_str!("testdata/jwks.json");
     const RSA: &[u8] = include_bytes!("testdata/rsa.pem");
@@ -523,6 +572,30 @@ mod tests {
     }
 
     #[test]
+    fn a_verified_token_is_remembered_until_it_expires_or_the_keys_change() {
+        let v = verifier(None);
+        let token = rs256(Some("rsa-1"), RSA, &claims(json!({})));
+        assert!(v.verify(&token).is_ok());
+        assert_eq!(v.verified_tokens().len(), 1);
+        // What is remembered answers for a token (this one would fail its check)
+        // until the `exp` remembered with it, and not after.
+        let forged = rs256(Some("rsa-1"), RSA_OTHER, &claims(json!({})));
+        let remember = |exp: i64| {
+            let digest = super::super::sha256(forged.as_bytes());
+            v.verified_tokens()
+                .insert(digest, (Caller::new("x", vec![]), exp));
+        };
+        remember(now() + 60);
+        assert_eq!(v.verify(&forged).map(|c| c.name), Ok("x".to_string()));
+        remember(now() - LEEWAY_SECS as i64 - 1);
+        assert_eq!(v.verify(&forged), Err(JwtError::Signature));
+        // New keys forget every token checked with the old ones.
+        assert!(!v.verified_tokens().is_empty());
+        v.set_keys(parse_keys(JWKS).unwrap(), None);
+        assert!(v.verified_tokens().is_empty());
+    }
+
+    #[test]
     fn a_token_within_the_leeway_still_passes() {
         let v = verifier(None);
         let c = claims(json!({"exp": now() - 5, "nbf": now() + 5}));
@@ -555,6 +628,57 @@ mod tests {
             v.verify(&rs256(Some("rsa-1"), RSA, &claims(json!({})))),
             Err(JwtError::NoKeys)
         );
+    }
+
+    /// Serves `body()` to every GET on a loopback port, as a provider's JWKS URL.
+    async fn jwks_server(body: Arc<std::sync::Mutex<String>>) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let text = body.lock().unwrap().clone();
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
+                    text.len()
+                );
+                let _ = s.write_all(answer.as_bytes()).await;
+            }
+        });
+        format!("http://{addr}/jwks")
+    }
+
+    #[tokio::test]
+    async fn a_token_of_a_new_key_makes_the_gateway_fetch_the_keys_again() {
+        let all: serde_json::Value = serde_json::from_str(JWKS).unwrap();
+        let only_ec = json!({"keys": [all["keys"][1].clone()]}).to_string();
+        let body = Arc::new(std::sync::Mutex::new(only_ec));
+        let url = jwks_server(body.clone()).await;
+        let settings = JwtSettings {
+            keys: KeySource::parse(&url),
+            ..settings(None)
+        };
+        let v = Arc::new(JwtVerifier::new(settings).with_min_refetch(Duration::from_millis(50)));
+        v.load().await.unwrap();
+        let rsa = rs256(Some("rsa-1"), RSA, &claims(json!({})));
+        assert_eq!(
+            v.verify(&rsa),
+            Err(JwtError::UnknownKey(Some("rsa-1".into())))
+        );
+        // The provider rotates in the RSA key; the refused token asked for a fetch.
+        *body.lock().unwrap() = JWKS.to_string();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(v.clone().run(stop.clone()));
+        let _ = v.verify(&rsa);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while v.verify(&rsa).is_err() {
+            assert!(Instant::now() < deadline, "the new key was never fetched");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        stop.cancel();
+        task.await.unwrap();
     }
 
     #[test]

@@ -8,10 +8,19 @@
 pub mod jwt;
 pub mod tokens;
 
-use courier_proto::domain::DEFAULT_TENANT;
+use crate::error::GatewayError;
+use courier_proto::domain::{ActivationProps, NewJob, DEFAULT_TENANT};
 use std::sync::Arc;
 use tonic::metadata::MetadataMap;
 use tonic::Status;
+
+/// The SHA-256 of `data`: how tokens are compared and remembered.
+pub(crate) fn sha256(data: &[u8]) -> [u8; 32] {
+    let d = ring::digest::digest(&ring::digest::SHA256, data);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
+}
 
 /// An authenticated caller and the tenants whose jobs it may see and make.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -135,6 +144,55 @@ impl tonic::service::Interceptor for Authenticate {
     }
 }
 
+/// A job created by `caller` belongs to one of its tenants: one that names none
+/// (`unnamed`) gets the caller's default tenant, one that names another is
+/// PERMISSION_DENIED.
+pub fn own_tenant(
+    caller: Option<&Caller>,
+    job: &mut NewJob,
+    unnamed: bool,
+) -> Result<(), GatewayError> {
+    let Some(caller) = caller else {
+        return Ok(());
+    };
+    if unnamed {
+        job.tenant_id = caller.default_tenant().to_string();
+    }
+    if caller.may(&job.tenant_id) {
+        Ok(())
+    } else {
+        Err(not_yours(caller, &job.tenant_id))
+    }
+}
+
+/// The tenants a worker of `caller` takes jobs of: those it asked for, each one
+/// of the caller's (PERMISSION_DENIED otherwise), or the caller's default tenant
+/// when it asked for none.
+pub fn worker_tenants(
+    caller: Option<&Caller>,
+    props: &mut ActivationProps,
+    asked: &[String],
+) -> Result<(), GatewayError> {
+    let Some(caller) = caller else {
+        return Ok(());
+    };
+    if asked.is_empty() {
+        props.tenant_ids = vec![caller.default_tenant().to_string()];
+        return Ok(());
+    }
+    match props.tenant_ids.iter().find(|t| !caller.may(t)) {
+        Some(t) => Err(not_yours(caller, t)),
+        None => Ok(()),
+    }
+}
+
+fn not_yours(caller: &Caller, tenant: &str) -> GatewayError {
+    GatewayError::PermissionDenied(format!(
+        "tenant '{tenant}' is not among this client's tenants ({})",
+        caller.tenants.join(", ")
+    ))
+}
+
 /// The caller of a request that passed [`Authenticate`]: `None` where no
 /// authentication is configured (every tenant is open then).
 pub fn caller<T>(request: &tonic::Request<T>) -> Option<Arc<Caller>> {
@@ -201,6 +259,56 @@ mod tests {
             Caller::new("x", vec![]).tenants,
             vec![DEFAULT_TENANT.to_string()]
         );
+    }
+
+    fn new_job(tenant: &str) -> NewJob {
+        NewJob {
+            job_type: "t".into(),
+            variables: "{}".into(),
+            custom_headers: "{}".into(),
+            retries: 3,
+            tenant_id: tenant.into(),
+            process: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_create_is_for_one_of_the_callers_tenants() {
+        let a = Caller::new("a", vec!["a".into(), "b".into()]);
+        let mut job = new_job(DEFAULT_TENANT);
+        // Named none: the caller's default tenant.
+        own_tenant(Some(&a), &mut job, true).unwrap();
+        assert_eq!(job.tenant_id, "a");
+        let mut job = new_job("b");
+        own_tenant(Some(&a), &mut job, false).unwrap();
+        let mut job = new_job("c");
+        let e = own_tenant(Some(&a), &mut job, false).unwrap_err();
+        assert_eq!(tonic::Status::from(e).code(), tonic::Code::PermissionDenied);
+        // Without authentication, any tenant.
+        own_tenant(None, &mut job, false).unwrap();
+        assert_eq!(job.tenant_id, "c");
+    }
+
+    #[test]
+    fn a_worker_takes_its_callers_tenants_only() {
+        let props = |tenants: &[&str]| ActivationProps {
+            job_type: "t".into(),
+            worker: "w".into(),
+            timeout_ms: 1000,
+            fetch_variables: vec![],
+            tenant_ids: tenants.iter().map(|t| t.to_string()).collect(),
+        };
+        let a = Caller::new("a", vec!["a".into(), "b".into()]);
+        let mut p = props(&[DEFAULT_TENANT]);
+        worker_tenants(Some(&a), &mut p, &[]).unwrap();
+        assert_eq!(p.tenant_ids, vec!["a".to_string()]);
+        let mut p = props(&["a", "b"]);
+        worker_tenants(Some(&a), &mut p, &["a".into(), "b".into()]).unwrap();
+        let mut p = props(&["a", "c"]);
+        let e = worker_tenants(Some(&a), &mut p, &["a".into(), "c".into()]).unwrap_err();
+        assert!(e.to_string().contains("'c'"), "{e}");
+        let mut p = props(&["c"]);
+        worker_tenants(None, &mut p, &["c".into()]).unwrap();
     }
 
     #[test]

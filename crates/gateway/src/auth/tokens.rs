@@ -5,7 +5,7 @@
 //! The file is read again when it changes; one that does not parse leaves the
 //! previous tokens in force.
 
-use super::Caller;
+use super::{sha256, Caller};
 use courier_proto::validate;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -36,13 +36,6 @@ struct Known {
 
 /// Shortest token accepted in the file: a guessable token is no credential.
 pub const MIN_TOKEN_CHARS: usize = 16;
-
-fn sha256(data: &[u8]) -> [u8; 32] {
-    let d = ring::digest::digest(&ring::digest::SHA256, data);
-    let mut out = [0u8; 32];
-    out.copy_from_slice(d.as_ref());
-    out
-}
 
 /// The static tokens in force.
 pub struct TokenFile {
