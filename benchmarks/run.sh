@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds Courier in release mode, starts each topology, runs the scenarios, stops
 # everything it started, and writes benchmarks/RESULTS.md.
-#   bash benchmarks/run.sh           full run (about 20 minutes)
+#   bash benchmarks/run.sh           full run (about 25 minutes)
 #   bash benchmarks/run.sh --quick   short run (under 2 minutes): the 3-broker fsync
 #                                    cluster's latency rows, JetStream at 1,000/s, and
 #                                    the slow-worker and burst scenarios, 2 s a row
@@ -195,6 +195,13 @@ if [[ -z $QUICK ]]; then
   done < <(cargo bench -p courier-broker --bench hot_path -- --warm-up-time 1 --measurement-time 3 --output-format bencher 2>/dev/null | grep '^test ')
 fi
 
+# What security costs: plain against TLS, mutual TLS and a token (its own clusters,
+# alternating rounds; see benchmarks/security.sh).
+SECURITY=()
+if [[ -z $QUICK ]]; then
+  mapfile -t SECURITY < <(ROUNDS="${SECURITY_ROUNDS:-3}" bash benchmarks/security.sh 2>/dev/null | grep '^|')
+fi
+
 # start_* set ADDR rather than print it: a $(...) subshell would lose PIDS, and the
 # processes would outlive the script.
 FSYNC=$("$BIN/courier-bench" fsync-probe --dir "$WORK")
@@ -304,6 +311,16 @@ done
     echo "| benchmark | µs per iteration |"
     echo "|---|---|"
     printf '%s\n' "${MICRO[@]}"
+  fi
+  if [[ ${#SECURITY[@]} -gt 0 ]]; then
+    echo
+    echo "## Security: TLS, mutual TLS and a token, against plain"
+    echo
+    echo "\`benchmarks/security.sh\`: 3 brokers, RF 3, fsync; each round starts a fresh cluster"
+    echo "per arm, plain first, then secure (mutual TLS between brokers and from the gateway,"
+    echo "TLS on the client port, a static token checked on every request). Columns in ms."
+    echo
+    printf '%s\n' "${SECURITY[@]}"
   fi
 } > benchmarks/RESULTS.md
 cat benchmarks/RESULTS.md
