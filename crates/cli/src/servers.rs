@@ -83,11 +83,8 @@ impl ServerRuntime {
 /// How `courier dev` sizes its runtime. One thread unless told otherwise: the whole
 /// cluster runs in one process, so a job's every hop (producer's call, gateway,
 /// broker, push) is a task waking another, and on one thread none of them waits for
-/// a parked thread to be woken. Measured on 2 cores against one thread per CPU,
-/// alternated on one binary (`benchmarks/dev-threads.sh`): one job at a time, a push
-/// reached its handler about 15% sooner in every round; at 1,000 jobs/s the p99 of
-/// both was the same within noise; full-lifecycle throughput the same within a few
-/// percent.
+/// a parked thread to be woken. `benchmarks/dev-threads.sh` measures it against one
+/// thread per CPU (see benchmarks/RESULTS.md).
 #[derive(clap::Args)]
 pub struct DevRuntime {
     /// Threads that run the cluster's tasks (fsyncs and other blocking work keep
