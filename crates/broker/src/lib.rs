@@ -8,13 +8,18 @@
 //! - [`registry`]: the job-stream registry: which gateway streams take which jobs.
 //! - [`service`]: the gRPC services for peer brokers and gateways.
 //! - [`config`]: static cluster configuration and replica placement.
+//! - `elections`: this broker's election timer, which tells a silent leader from a
+//!   pause of its own process.
+//! - `leadership`: leadership handed off at a stop, and back to preferred brokers.
 //! - [`metrics`]: Prometheus metrics.
 //!
 //! [`run`] starts a broker on a listener and stops it when told to.
 
 pub mod claims;
 pub mod config;
+mod elections;
 pub mod engine;
+mod leadership;
 pub mod metrics;
 pub mod partition;
 // openraft's error types (StorageError, RPCError) are large; their signatures are openraft's.
@@ -42,6 +47,9 @@ use store::{log::LogStore, sm::StateMachine, Db};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+use elections::drive_elections;
+use leadership::{hand_off_all, rebalance_leaders};
 
 /// Why a broker could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
@@ -274,263 +282,6 @@ pub async fn run(
     Ok(())
 }
 
-/// How often the election driver looks at its partitions, and how late it must
-/// wake to tell that this process stood still.
-const ELECTION_TICK: Duration = Duration::from_millis(10);
-const PAUSE_THRESHOLD: Duration = Duration::from_millis(250);
-
-/// Starts elections for this broker's replicas, in place of openraft's timer
-/// (`enable_elect` is off, see [`BrokerConfig::raft_config`]): a follower stands
-/// when it has heard nothing of a leader (no append-entries, no vote granted) for
-/// the leader's lease and its election timeout, drawn anew for each election, and
-/// later still after a voter refused it for a longer log ([`election_wait`]), as
-/// openraft 0.9 would. Unlike openraft's timer, it tells a silent leader from a
-/// pause of this process (frozen by SIGSTOP, a stalled virtual machine, starved of
-/// CPU): after one it counts every replica's silence from the moment it runs again.
-/// openraft's first tick after a pause starts an election at a higher term, and a
-/// healthy leader that sees it steps down: a stall of about half a second on
-/// partitions that never had a problem (openraft 0.9 has no pre-vote).
-async fn drive_elections(
-    parts: Vec<Arc<Partition>>,
-    timeouts: (u64, u64),
-    shutdown: CancellationToken,
-) {
-    use rand::Rng;
-    metrics::PAUSES.inc_by(0);
-    let (min, max) = (timeouts.0, timeouts.1.max(timeouts.0));
-    let draw = || Duration::from_millis(rand::rng().random_range(min..=max));
-    let lease = Duration::from_millis(max);
-    let mut timeout: Vec<Duration> = parts.iter().map(|_| draw()).collect();
-    let mut tick = tokio::time::interval(ELECTION_TICK);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last = std::time::Instant::now();
-    // Silence is counted from now, not from when each replica was opened: loading
-    // a partition with millions of open jobs takes seconds, and the replicas opened
-    // first would otherwise stand at once, against leaders that are alive.
-    for p in &parts {
-        p.heard_from_leader_at(last);
-    }
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        let now = std::time::Instant::now();
-        let late = now.duration_since(last).saturating_sub(ELECTION_TICK);
-        last = now;
-        if late >= PAUSE_THRESHOLD {
-            for p in &parts {
-                p.heard_from_leader_at(now);
-            }
-            metrics::PAUSES.inc();
-            tracing::warn!(
-                stood_still = ?late,
-                "this broker stood still (frozen, or starved of CPU); its replicas give their leaders a full election timeout from now"
-            );
-            continue;
-        }
-        for (i, p) in parts.iter().enumerate() {
-            let (voters, candidate, committed) = {
-                let m = p.raft.metrics();
-                let m = m.borrow();
-                if m.state == openraft::ServerState::Leader {
-                    continue;
-                }
-                let membership = m.membership_config.membership();
-                if !membership.voter_ids().any(|v| v == p.node_id) {
-                    continue;
-                }
-                (
-                    membership.voter_ids().count(),
-                    m.state == openraft::ServerState::Candidate,
-                    m.vote.is_committed(),
-                )
-            };
-            let wait = election_wait(
-                Silence {
-                    voters,
-                    candidate,
-                    committed,
-                    longer_log_seen: p.longer_log.seen(),
-                },
-                lease,
-                timeout[i],
-            );
-            if now.duration_since(p.last_heard_from_leader()) <= wait {
-                continue;
-            }
-            p.heard_from_leader_at(now);
-            p.longer_log.clear();
-            timeout[i] = draw();
-            if let Err(e) = p.raft.trigger().elect().await {
-                tracing::warn!(partition = p.id.0, error = %e, "could not start an election");
-            }
-        }
-    }
-}
-
-/// What a replica that does not lead knows when its election driver looks at it.
-#[derive(Clone, Copy, Debug)]
-struct Silence {
-    /// Voters of the partition, this replica among them.
-    voters: usize,
-    /// Whether it stands for election now.
-    candidate: bool,
-    /// Whether the vote it holds is a leader's, granted by a quorum.
-    committed: bool,
-    /// Whether a voter refused its last candidacy for a longer log
-    /// ([`raft::LongerLog`]).
-    longer_log_seen: bool,
-}
-
-/// How long a replica must have heard nothing of a leader before it stands for
-/// election, as openraft 0.9's own timer has it: `lease` is the leader's lease (the
-/// longest election timeout), `timeout` this election's timeout, drawn at random.
-fn election_wait(s: Silence, lease: Duration, timeout: Duration) -> Duration {
-    let wait = match s {
-        // The only voter: at once, and again only if that did not end.
-        Silence {
-            voters: 1,
-            candidate: false,
-            ..
-        } => return Duration::ZERO,
-        Silence {
-            committed: true, ..
-        } => lease + timeout,
-        _ => timeout,
-    };
-    if s.longer_log_seen {
-        wait + lease * raft::LongerLog::BACK_OFF
-    } else {
-        wait
-    }
-}
-
-/// Hands every partition this broker leads to a follower that has its whole log,
-/// all at once, before the broker stops: see [`Partition::hand_off`].
-async fn hand_off_all(
-    partitions: &service::Partitions,
-    peers: &PeerChannels,
-    config: &BrokerConfig,
-) {
-    let handoffs = partitions.values().map(|part| async move {
-        let ask = |to, term| ask_to_elect(peers, config, part.id, to, term);
-        let span = tracing::info_span!("hand-off", partition = part.id.0);
-        tracing::Instrument::instrument(part.hand_off(ask, None), span).await
-    });
-    futures::future::join_all(handoffs).await;
-}
-
-/// Asks broker `to` to stand for election for `partition` now, as its leader in
-/// `term` hands the partition over (see [`Partition::hand_off`]).
-async fn ask_to_elect(
-    peers: &PeerChannels,
-    config: &BrokerConfig,
-    partition: PartitionId,
-    to: NodeId,
-    term: u64,
-) -> Result<(), String> {
-    let addr = config
-        .brokers
-        .get(&to)
-        .ok_or_else(|| format!("broker {to} is not in the configuration"))?;
-    let req = raft::ElectRequest {
-        leader: config.node_id,
-        term,
-    };
-    peers
-        .ask_to_elect(addr, partition, &req, Duration::from_millis(500))
-        .await
-}
-
-/// How often a broker looks for partitions it leads in place of their preferred
-/// leader.
-const REBALANCE_TICK: Duration = Duration::from_secs(1);
-
-/// How far behind the leader's log the preferred leader may be and still count as
-/// caught up while it waits for its turn: the hand-off itself waits until it has
-/// every entry, with the partition's writes held, so only a few may be missing.
-const REBALANCE_MAX_LAG: u64 = 64;
-
-/// Hands each partition this broker leads in place of its preferred leader (see
-/// [`BrokerConfig::preferred_leader`]) back to it, once the preferred leader has
-/// been reachable and caught up for `settle`: after a failure or a rolling
-/// restart, elections leave leaders wherever they happened to win, often most of
-/// them on one broker, which then does most of the work. One partition at a time;
-/// each hand-off holds the partition's writes for about one Raft round trip (see
-/// [`Partition::hand_off`]). A partition's preferred leader never hands it on, so
-/// leadership settles instead of moving around.
-async fn rebalance_leaders(
-    parts: Vec<Arc<Partition>>,
-    peers: PeerChannels,
-    config: Arc<BrokerConfig>,
-    settle: Duration,
-    handing_off: Arc<tokio::sync::Mutex<()>>,
-    shutdown: CancellationToken,
-) {
-    use tokio::time::Instant;
-    // Per partition: since when its preferred leader has looked ready to take over.
-    let mut ready_since: Vec<Option<Instant>> = vec![None; parts.len()];
-    let mut tick = tokio::time::interval(REBALANCE_TICK);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        for (i, part) in parts.iter().enumerate() {
-            let Some(preferred) = config.preferred_leader(part.id.0) else {
-                continue;
-            };
-            let ready = preferred != config.node_id
-                && !peers.is_down(preferred)
-                && {
-                    let m = part.raft.metrics();
-                    let m = m.borrow();
-                    let matched = m
-                        .replication
-                        .as_ref()
-                        .and_then(|r| r.get(&preferred))
-                        .and_then(|l| l.map(|l| l.index));
-                    m.state == openraft::ServerState::Leader
-                        && matches!((matched, m.last_log_index), (Some(at), Some(last)) if at + REBALANCE_MAX_LAG >= last)
-                };
-            if !ready {
-                ready_since[i] = None;
-                continue;
-            }
-            let since = *ready_since[i].get_or_insert_with(Instant::now);
-            if since.elapsed() < settle {
-                continue;
-            }
-            ready_since[i] = None;
-            // Taken before looking at whether the broker stops, which is said
-            // before the stop's hand-off takes it: that one then waits for this one.
-            let _one_at_a_time = handing_off.lock().await;
-            if part.is_stopping() {
-                return;
-            }
-            tracing::info!(
-                partition = part.id.0,
-                to = preferred,
-                "handing the partition back to its preferred leader"
-            );
-            let ask = |to, term| ask_to_elect(&peers, &config, part.id, to, term);
-            let span = tracing::info_span!("rebalance", partition = part.id.0);
-            // Not cut short by a stop: a hand-off dropped halfway would leave the
-            // partition's proposer closed. It ends within a few seconds.
-            let handed =
-                tracing::Instrument::instrument(part.hand_off(ask, Some(preferred)), span).await;
-            let outcome = if handed == Some(preferred) {
-                metrics::label::rebalance::HANDED_OVER
-            } else {
-                metrics::label::rebalance::KEPT
-            };
-            metrics::REBALANCES.with_label_values(&[outcome]).inc();
-        }
-    }
-}
-
 /// Initializes a partition's membership once. The first replica does it at once;
 /// the others wait (longer the later they are placed) and only act if still nothing
 /// reached them, so a cluster forms even when the first replica's broker is down,
@@ -586,58 +337,5 @@ async fn track_leadership(part: Arc<Partition>, shutdown: CancellationToken) {
             _ = shutdown.cancelled() => return,
             r = m.changed() => if r.is_err() { return },
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const LEASE: Duration = Duration::from_millis(600);
-    const TIMEOUT: Duration = Duration::from_millis(400);
-
-    fn silence(voters: usize, candidate: bool, committed: bool, longer: bool) -> Silence {
-        Silence {
-            voters,
-            candidate,
-            committed,
-            longer_log_seen: longer,
-        }
-    }
-
-    fn wait(s: Silence) -> Duration {
-        election_wait(s, LEASE, TIMEOUT)
-    }
-
-    #[test]
-    fn a_follower_of_a_leader_waits_out_its_lease_and_a_candidate_its_timeout() {
-        // It followed a leader (the vote it holds is committed): lease, then timeout.
-        assert_eq!(wait(silence(3, false, true, false)), LEASE + TIMEOUT);
-        // It granted a vote, or stands itself: the timeout alone.
-        assert_eq!(wait(silence(3, false, false, false)), TIMEOUT);
-        assert_eq!(wait(silence(3, true, false, false)), TIMEOUT);
-        // The only voter stands at once, and waits for an election of its own
-        // that did not end.
-        assert_eq!(wait(silence(1, false, false, false)), Duration::ZERO);
-        assert_eq!(wait(silence(1, false, false, true)), Duration::ZERO);
-        assert_eq!(wait(silence(1, true, false, false)), TIMEOUT);
-    }
-
-    /// The survivor a voter with a longer log refused stands again only after that
-    /// voter's longest wait has surely run out, so the voter stands first: with both
-    /// on the same timeout, they took turns raising the term for as long as their
-    /// timers kept in step, and no leader was elected (a cluster test's failure).
-    #[test]
-    fn a_candidate_refused_for_a_longer_log_lets_that_voter_stand_first() {
-        let refused = wait(silence(3, true, false, true));
-        assert_eq!(refused, TIMEOUT + 2 * LEASE);
-        // Longer than the voter's longest wait after it last stood or granted a
-        // vote: the longest timeout.
-        assert!(refused > LEASE);
-        assert_eq!(wait(silence(3, false, false, true)), TIMEOUT + 2 * LEASE);
-        assert_eq!(
-            wait(silence(3, false, true, true)),
-            LEASE + TIMEOUT + 2 * LEASE
-        );
     }
 }
