@@ -1,0 +1,214 @@
+use super::*;
+use crate::engine::{Batch, LogCommand};
+use crate::store::Durability;
+use courier_proto::domain::{
+    Command, JobKey, NewJob, ProcessContext, Reply, RequestId, DEFAULT_TENANT,
+};
+use openraft::{CommittedLeaderId, RaftSnapshotBuilder};
+
+/// Applies wake the timers only when they make something due before the time the
+/// timers look again by themselves, and always while the timers read the state.
+#[test]
+fn timers_are_woken_only_for_something_due_sooner() {
+    use futures::FutureExt;
+    let shared = SharedState::new(AppliedState {
+        state: State::new(PartitionId(1)),
+        last_applied: None,
+        membership: StoredMembership::default(),
+    });
+    let woken = |next: Option<i64>| {
+        let n = shared.applied.notified();
+        tokio::pin!(n);
+        n.as_mut().enable();
+        shared.applied(next);
+        n.now_or_never().is_some()
+    };
+    // Before the timers ever waited, and while they read: any timer wakes them.
+    assert!(woken(Some(i64::MAX - 1)));
+    shared.timers_wait_until(1_000);
+    assert!(!woken(Some(1_000)));
+    assert!(!woken(Some(5_000)));
+    assert!(!woken(None));
+    assert!(woken(Some(999)));
+    shared.timers_reading();
+    assert!(woken(Some(5_000)));
+    assert!(!woken(None));
+}
+
+fn job() -> NewJob {
+    NewJob {
+        job_type: "t".into(),
+        variables: "{}".into(),
+        custom_headers: "{}".into(),
+        retries: 3,
+        tenant_id: DEFAULT_TENANT.into(),
+        process: ProcessContext::default(),
+    }
+}
+
+fn entry(index: u64, ts: i64, cmd: Command) -> Entry<TypeConfig> {
+    Entry {
+        log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+        payload: EntryPayload::Normal(Batch {
+            ts,
+            commands: vec![LogCommand::client(cmd)],
+            on_flushed: Default::default(),
+        }),
+    }
+}
+
+fn create(index: u64, jobs: usize) -> Entry<TypeConfig> {
+    entry(index, 1, Command::Create(vec![job(); jobs]))
+}
+
+fn create_once(id: u128, jobs: usize) -> Command {
+    Command::Once {
+        request: RequestId(id),
+        command: Box::new(Command::Create(vec![job(); jobs])),
+    }
+}
+
+fn onces(sm: &StateMachine) -> Vec<(RequestId, OnceRecord)> {
+    sm.shared().read().state.onces().collect()
+}
+
+/// What a partition remembers of its once-only commands is stored with its
+/// jobs, read back on restart, carried by its snapshots and installed from
+/// them; what it forgets
+/// is deleted.
+#[tokio::test]
+async fn remembered_requests_survive_restarts_and_travel_in_snapshots() {
+    use courier_proto::domain::ONCE_WINDOW_MS;
+    let dir = tempfile::tempdir().unwrap();
+    let db = Db::open(&dir.path().join("a"), Durability::Fsync).unwrap();
+    let snaps = dir.path().join("snaps-a");
+    let mut sm = StateMachine::open(&db, PartitionId(1), snaps.clone()).unwrap();
+    let t0 = 1_000_000;
+    sm.apply([
+        entry(1, t0, create_once(10, 2)),
+        entry(2, t0 + 5, create_once(11, 1)),
+    ])
+    .await
+    .unwrap();
+    let remembered = onces(&sm);
+    assert_eq!(remembered.len(), 2);
+    let snap = sm
+        .get_snapshot_builder()
+        .await
+        .build_snapshot()
+        .await
+        .unwrap();
+    drop(sm);
+    let mut sm = StateMachine::open(&db, PartitionId(1), snaps.clone()).unwrap();
+    assert_eq!(onces(&sm), remembered, "read back on restart");
+    let again = sm
+        .apply([entry(3, t0 + 10, create_once(10, 2))])
+        .await
+        .unwrap();
+    assert_eq!(
+        again[0].replies,
+        vec![Ok(Reply::Created(vec![
+            JobKey::new(PartitionId(1), 1),
+            JobKey::new(PartitionId(1), 2)
+        ]))]
+    );
+    assert_eq!(sm.shared().read().state.job_count(), 3);
+
+    // Installed on a replica that had none: remembered there, and stored.
+    let data = SnapshotData::decode(snap.snapshot.get_ref()).unwrap();
+    assert_eq!(data.onces, remembered);
+    let other_db = Db::open(&dir.path().join("b"), Durability::Fsync).unwrap();
+    let other_snaps = dir.path().join("snaps-b");
+    let mut other = StateMachine::open(&other_db, PartitionId(1), other_snaps.clone()).unwrap();
+    other
+        .apply([entry(1, t0, create_once(99, 1))])
+        .await
+        .unwrap();
+    other
+        .install_snapshot(&snap.meta, snap.snapshot.clone())
+        .await
+        .unwrap();
+    assert_eq!(onces(&other), remembered);
+    drop(other);
+    let other = StateMachine::open(&other_db, PartitionId(1), other_snaps).unwrap();
+    assert_eq!(onces(&other), remembered, "stored by the install");
+
+    // Forgotten once an entry is past the window, and deleted from the store.
+    sm.apply([entry(4, t0 + 6 + ONCE_WINDOW_MS, create_once(12, 1))])
+        .await
+        .unwrap();
+    assert_eq!(
+        onces(&sm).into_iter().map(|(id, _)| id).collect::<Vec<_>>(),
+        vec![RequestId(12)]
+    );
+    drop(sm);
+    let sm = StateMachine::open(&db, PartitionId(1), snaps).unwrap();
+    assert_eq!(onces(&sm).len(), 1);
+}
+
+/// A snapshot from before requests were remembered (counters and jobs only) is
+/// read as one that remembers none.
+#[test]
+fn a_snapshot_without_requests_reads_as_one_with_none() {
+    let mut state = State::new(PartitionId(1));
+    let mut changes = Changes::new();
+    if let EntryPayload::Normal(batch) = create(1, 2).payload {
+        state.apply_batch(1, &batch, &mut changes);
+    }
+    let jobs: Vec<Job> = state.jobs().cloned().collect();
+    let old = codec::to_vec(&(state.counters().clone(), jobs.clone())).unwrap();
+    let data = SnapshotData::decode(&old).unwrap();
+    assert_eq!(
+        (data.counters, data.jobs, data.onces),
+        (state.counters().clone(), jobs, vec![])
+    );
+    assert!(
+        SnapshotData::decode(&old[..old.len() - 1]).is_err(),
+        "a cut one is refused"
+    );
+}
+
+/// The builder holds the state as it was when openraft asked for it (between two
+/// applies), not as it is when the file is written; the snapshot installs on
+/// another state machine as exactly that state, and survives a restart.
+#[tokio::test]
+async fn a_snapshot_is_the_state_when_the_builder_was_taken() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Db::open(&dir.path().join("a"), Durability::Fsync).unwrap();
+    let snaps = dir.path().join("snaps-a");
+    let mut sm = StateMachine::open(&db, PartitionId(1), snaps.clone()).unwrap();
+    sm.apply([create(1, 3), create(2, 4)]).await.unwrap();
+    let mut builder = sm.get_snapshot_builder().await;
+    sm.apply([create(3, 5)]).await.unwrap();
+    let snap = builder.build_snapshot().await.unwrap();
+    assert_eq!(snap.meta.last_log_id.map(|l| l.index), Some(2));
+    let data = SnapshotData::decode(snap.snapshot.get_ref()).unwrap();
+    assert_eq!(data.jobs.len(), 7);
+    assert_eq!(sm.shared().read().state.job_count(), 12);
+
+    let current = sm.get_current_snapshot().await.unwrap().unwrap();
+    assert_eq!(current.meta, snap.meta);
+    assert_eq!(current.snapshot.get_ref(), snap.snapshot.get_ref());
+
+    let other_db = Db::open(&dir.path().join("b"), Durability::Fsync).unwrap();
+    let mut other =
+        StateMachine::open(&other_db, PartitionId(1), dir.path().join("snaps-b")).unwrap();
+    other.apply([create(1, 1)]).await.unwrap();
+    other
+        .install_snapshot(&snap.meta, snap.snapshot.clone())
+        .await
+        .unwrap();
+    let (applied, _) = other.applied_state().await.unwrap();
+    assert_eq!(applied.map(|l| l.index), Some(2));
+    let keys =
+        |s: &StateMachine| -> Vec<_> { s.shared().read().state.jobs().map(|j| j.key).collect() };
+    let mut expected = keys(&sm);
+    expected.truncate(7);
+    assert_eq!(keys(&other), expected);
+
+    drop(sm);
+    let reopened = StateMachine::open(&db, PartitionId(1), snaps).unwrap();
+    let loaded = reopened.snapshot.lock().unwrap().clone().unwrap();
+    assert_eq!(loaded.meta, snap.meta);
+    assert_eq!(loaded.data.as_ref(), snap.snapshot.get_ref());
+}
