@@ -1,10 +1,7 @@
 //! Cluster tests: 3 brokers (replication factor 3, 3 partitions) and a gateway, each a
 //! real `courier` process on loopback, driven through the Rust client over gRPC.
 
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
-mod common;
+use crate::common;
 
 use common::{free_port, metric, serial, wait_until, Cluster, ClusterOpts, Proc};
 use courier_client::{ActivateJobs, Client, JobState, NewJob};

@@ -2,10 +2,7 @@
 //! fast workers, overload, and a burst with no worker connected. The invariants:
 //! no client ever holds more than its credit, nothing is lost, yields stay rare.
 
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
-mod common;
+use crate::common;
 
 use common::{all_gone, serial, wait_registered, wait_until, Cluster, ClusterOpts};
 use courier_client::{Client, NewJob};

@@ -12,10 +12,7 @@
 //! must accept gzip; its stream worker also polls with ActivateJobs once, right after
 //! opening the stream; and it never reopens a stream that failed or ended.
 
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
-mod common;
+use crate::common;
 
 use common::secure::Secure;
 

@@ -2,10 +2,7 @@
 //! in the same replicated write that made them runnable, are shared round-robin,
 //! survive dying clients, leaders and gateways, and are back-filled to new streams.
 
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
-mod common;
+use crate::common;
 
 use common::{
     all_gone, courier_bin, create_in_batches, serial, wait_broker_metric, wait_registered,

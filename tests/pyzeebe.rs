@@ -10,10 +10,7 @@
 //! asks for at most 32 jobs, and while 32 jobs (pushed or polled) are running it
 //! waits `poll_retry_delay` before asking again (5 s by default; the script sets 1 s).
 
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
-mod common;
+use crate::common;
 
 use common::secure::Secure;
 

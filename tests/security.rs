@@ -3,10 +3,7 @@
 //! and OAuth JWTs (from the tests' own provider, see `common::secure`), and tenants
 //! kept apart on every command.
 
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
-mod common;
+use crate::common;
 
 use common::secure::{Secure, ADMIN_TOKEN, AUDIENCE};
 use common::{serial, wait_until, Cluster, ClusterOpts};

@@ -4,10 +4,7 @@
 //! worker whose stream reopens, a shutdown with jobs in flight, and the CLI worker
 //! end to end.
 
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
-mod common;
+use crate::common;
 
 use common::{courier_bin, serial, wait_until, Cluster, ClusterOpts};
 use courier_client::{ActivatedJob, Client, JobOutcome, JobState, JobWorker, NewJob};

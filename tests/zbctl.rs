@@ -1,10 +1,7 @@
 //! Compatibility with a real Zeebe client: the `zbctl` binary (npm package `zbctl`,
 //! installed into tests/compat by .ci/run) against a Courier cluster of real processes.
 
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
-mod common;
+use crate::common;
 
 use common::secure::Secure;
 use common::{serial, Cluster, ClusterOpts};
