@@ -2,7 +2,7 @@
 
 use crate::error::ClientError;
 use crate::request::{millis, IntoJsonText, StreamJobs, JOBS_HELD_HEADER, MAX_JOBS_ACTIVE_HEADER};
-use crate::retry::{with_retries, Backoff, DEFAULT_RETRY_BUDGET};
+use crate::retry::{with_retries, Backoff, DEFAULT_BACKOFF, DEFAULT_RETRY_BUDGET};
 use crate::security::{AuthChannel, Security, TokenSource};
 use courier_proto::courier_v1::{self as v1, jobs_client::JobsClient};
 use courier_proto::gateway_protocol::{self as gw, gateway_client::GatewayClient};
@@ -80,7 +80,7 @@ impl Client {
             // which no limit bounds: tonic's default of 4 MiB would refuse it.
             jobs: JobsClient::new(channel.clone()).max_decoding_message_size(MAX_ANSWER_BYTES),
             gateway: GatewayClient::new(channel).max_decoding_message_size(MAX_ANSWER_BYTES),
-            backoff: Backoff::default(),
+            backoff: DEFAULT_BACKOFF,
             retry_budget: DEFAULT_RETRY_BUDGET,
         }
     }

@@ -4,7 +4,7 @@
 //! schedule, so that many clients refused at the same moment (a leader change, a
 //! restart) do not come back at the same moment too.
 
-use rand::Rng;
+pub use courier_proto::backoff::Backoff;
 use std::future::Future;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -13,39 +13,9 @@ use tonic::{Code, Status};
 /// How long a call keeps retrying by default before it returns the last error.
 pub const DEFAULT_RETRY_BUDGET: Duration = Duration::from_secs(30);
 
-/// Exponential back-off ceilings with full jitter.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct Backoff {
-    /// Ceiling of the first delay.
-    pub base: Duration,
-    /// No delay is ever longer than this.
-    pub cap: Duration,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Backoff {
-            base: Duration::from_millis(25),
-            cap: Duration::from_secs(2),
-        }
-    }
-}
-
-impl Backoff {
-    /// The longest delay before retry number `attempt` (0-based): `base * 2^attempt`,
-    /// capped.
-    pub fn ceiling(&self, attempt: u32) -> Duration {
-        self.base
-            .saturating_mul(2u32.saturating_pow(attempt))
-            .min(self.cap)
-    }
-
-    /// A delay drawn uniformly from `[0, ceiling(attempt)]`.
-    pub fn delay(&self, attempt: u32, rng: &mut impl Rng) -> Duration {
-        let ceiling = u64::try_from(self.ceiling(attempt).as_nanos()).unwrap_or(u64::MAX);
-        Duration::from_nanos(rng.random_range(0..=ceiling))
-    }
-}
+/// The back-off of a client's call retries: from 25 ms, at most 2 s.
+pub const DEFAULT_BACKOFF: Backoff =
+    Backoff::new(Duration::from_millis(25), Duration::from_secs(2));
 
 /// The codes that mean "not now" (no leader, back pressure) rather than "no".
 pub fn is_retryable(code: Code) -> bool {
@@ -121,38 +91,18 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::rngs::StdRng;
-    use rand::SeedableRng;
     use std::cell::Cell;
 
     #[test]
-    fn ceilings_double_from_25ms_and_stop_at_2s() {
-        let b = Backoff::default();
-        let ms: Vec<u128> = (0..10).map(|a| b.ceiling(a).as_millis()).collect();
-        assert_eq!(ms, [25, 50, 100, 200, 400, 800, 1600, 2000, 2000, 2000]);
-        // Far past the point where 2^attempt overflows: still the cap, no panic.
-        assert_eq!(b.ceiling(200), Duration::from_secs(2));
-        assert_eq!(b.ceiling(u32::MAX), Duration::from_secs(2));
-    }
-
-    #[test]
-    fn delays_spread_over_the_whole_range() {
-        let b = Backoff::default();
-        let mut rng = StdRng::seed_from_u64(7);
-        for attempt in [0, 3, 20] {
-            let ceiling = b.ceiling(attempt);
-            let delays: Vec<Duration> = (0..2000).map(|_| b.delay(attempt, &mut rng)).collect();
-            assert!(delays.iter().all(|d| *d <= ceiling));
-            // Full jitter: both ends of [0, ceiling] are visited, not just its middle.
-            assert!(delays.iter().any(|d| *d < ceiling / 10));
-            assert!(delays.iter().any(|d| *d > ceiling * 9 / 10));
-        }
+    fn client_retries_back_off_from_25ms_to_2s() {
+        assert_eq!(DEFAULT_BACKOFF.ceiling(0), Duration::from_millis(25));
+        assert_eq!(DEFAULT_BACKOFF.ceiling(30), Duration::from_secs(2));
     }
 
     #[tokio::test(start_paused = true)]
     async fn retries_transient_codes_until_success() {
         let calls = Cell::new(0);
-        let r = with_retries(Backoff::default(), DEFAULT_RETRY_BUDGET, || {
+        let r = with_retries(DEFAULT_BACKOFF, DEFAULT_RETRY_BUDGET, || {
             calls.set(calls.get() + 1);
             let n = calls.get();
             async move {
@@ -193,7 +143,7 @@ mod tests {
 
         let calls = Cell::new(0);
         let mut first = Some(unsent);
-        let r = with_retries(Backoff::default(), DEFAULT_RETRY_BUDGET, || {
+        let r = with_retries(DEFAULT_BACKOFF, DEFAULT_RETRY_BUDGET, || {
             calls.set(calls.get() + 1);
             let outcome = first.take().map_or(Ok(calls.get()), Err);
             async move { outcome }
@@ -205,7 +155,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn other_codes_return_at_once() {
         let calls = Cell::new(0);
-        let r: Result<(), Status> = with_retries(Backoff::default(), DEFAULT_RETRY_BUDGET, || {
+        let r: Result<(), Status> = with_retries(DEFAULT_BACKOFF, DEFAULT_RETRY_BUDGET, || {
             calls.set(calls.get() + 1);
             async { Err(Status::not_found("gone")) }
         })
@@ -219,7 +169,7 @@ mod tests {
         let start = Instant::now();
         let calls = Cell::new(0);
         let budget = Duration::from_secs(5);
-        let r: Result<(), Status> = with_retries(Backoff::default(), budget, || {
+        let r: Result<(), Status> = with_retries(DEFAULT_BACKOFF, budget, || {
             calls.set(calls.get() + 1);
             let n = calls.get();
             async move { Err(Status::unavailable(format!("attempt {n}"))) }
@@ -237,7 +187,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_zero_budget_means_one_attempt() {
         let calls = Cell::new(0);
-        let r: Result<(), Status> = with_retries(Backoff::default(), Duration::ZERO, || {
+        let r: Result<(), Status> = with_retries(DEFAULT_BACKOFF, Duration::ZERO, || {
             calls.set(calls.get() + 1);
             async { Err(Status::unavailable("down")) }
         })

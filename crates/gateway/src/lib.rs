@@ -12,11 +12,9 @@
 //! - [`service`]: the `gateway_protocol.Gateway` and `courier.v1.Jobs` services.
 //! - [`metrics`]: Prometheus metrics in the default registry.
 //! - [`error`]: [`GatewayError`] and its mapping to gRPC statuses.
-//! - [`backoff`]: full-jitter exponential back-off.
 //! - [`auth`]: static tokens and OAuth JWTs, and the tenants of each caller.
 
 pub mod auth;
-pub mod backoff;
 pub mod error;
 mod health;
 pub mod link;

@@ -6,12 +6,12 @@
 //! and carries registration and credit changes, yields, and this task's acks to the
 //! broker's pushes.
 
-use crate::backoff::Backoff;
 use crate::long_poll::LongPollQueue;
 use crate::metrics;
 use crate::router::MAX_BROKER_MESSAGE;
 use crate::streams::{AggregatedStreams, AttachedLink};
 use crate::topology::Topology;
+use courier_proto::backoff::Backoff;
 use courier_proto::cluster::{
     broker_client::BrokerClient, broker_message, gateway_message, BrokerMessage, GatewayHello,
     GatewayLeaving, GatewayMessage, PushJob,
@@ -107,7 +107,7 @@ impl BrokerLink {
 
     /// Keeps the link to broker `node` open, reconnecting with back-off, until shutdown.
     async fn run(self, node: NodeId) {
-        let mut backoff = Backoff::new(RECONNECT_BASE, RECONNECT_CAP);
+        let mut backoff = Backoff::new(RECONNECT_BASE, RECONNECT_CAP).attempts();
         let mut failures = 0u32;
         while !self.shutdown.is_cancelled() && !self.closing.is_cancelled() {
             let started = Instant::now();

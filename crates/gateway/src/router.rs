@@ -1,9 +1,9 @@
 //! Sends a request to the leader of a partition, retrying while the partition is
 //! between leaders or its leader is unreachable, until the request's deadline.
 
-use crate::backoff::Backoff;
 use crate::metrics;
 use crate::topology::Topology;
+use courier_proto::backoff::Backoff;
 use courier_proto::cluster::{broker_client::BrokerClient, ExecuteReply, ExecuteRequest};
 use courier_proto::codec;
 use courier_proto::domain::{
@@ -163,7 +163,7 @@ impl Router {
             }
             _ => deadline,
         };
-        let mut backoff = Backoff::new(RETRY_BASE, RETRY_CAP);
+        let mut backoff = Backoff::new(RETRY_BASE, RETRY_CAP).attempts();
         // A retry waiting for a leader goes as soon as the gateway learns of one
         // (watched from the first failure on: most commands need no retry).
         let mut leader_changes = None;

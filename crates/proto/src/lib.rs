@@ -7,11 +7,13 @@
 //! - [`validate`]: checks on client input that map to INVALID_ARGUMENT.
 //! - [`codec`]: the one place that turns domain values into cluster payloads and back.
 //! - [`mux`]: request/reply calls multiplexed on one long-lived gRPC stream.
+//! - [`backoff`]: full-jitter exponential back-off, for every retry loop.
 //! - [`tls`]: TLS on the client port and mutual TLS inside the cluster.
 //! - [`push_refusal`]: why a gateway refuses a pushed job.
 
 #![allow(clippy::derive_partial_eq_without_eq)]
 
+pub mod backoff;
 pub mod codec;
 pub mod convert;
 pub mod domain;
