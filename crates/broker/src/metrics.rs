@@ -2,6 +2,7 @@
 //! brokers in one process (`courier dev`) share them.
 
 use crate::partition::Partition;
+use courier_proto::sync::lock;
 use prometheus::core::Collector;
 use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
@@ -558,10 +559,7 @@ impl Positions {
     /// Reports `p`'s log positions for as long as it lives.
     pub fn track(&self, p: &Arc<Partition>) {
         let labels = [p.node_id.to_string(), p.id.0.to_string()];
-        self.replicas
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((Arc::downgrade(p), labels));
+        lock(&self.replicas).push((Arc::downgrade(p), labels));
     }
 }
 
@@ -575,7 +573,7 @@ impl Collector for Positions {
     }
 
     fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
-        let mut replicas = self.replicas.lock().unwrap_or_else(|e| e.into_inner());
+        let mut replicas = lock(&self.replicas);
         replicas.retain(|(replica, labels)| {
             let labels = [labels[0].as_str(), labels[1].as_str()];
             let Some(p) = replica.upgrade() else {

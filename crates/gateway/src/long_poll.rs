@@ -16,6 +16,7 @@
 
 use crate::metrics;
 use courier_proto::domain::PartitionId;
+use courier_proto::sync::lock;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -165,7 +166,7 @@ impl LongPollQueue {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, TypeWaiters>> {
         // Every critical section leaves the map consistent, so a poisoned one is usable.
-        self.types.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.types)
     }
 }
 

@@ -10,6 +10,7 @@ use courier_proto::domain::{
     BrokerError, Command, NodeId, PartitionId, Reply, Request, RESEND_FOR_MS,
 };
 use courier_proto::mux::{CallError, Mux};
+use courier_proto::sync::lock;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -88,7 +89,7 @@ impl Router {
 
     /// The command stream to the broker at `addr` (opened by its first call).
     fn commands(&self, addr: &str) -> Arc<Commands> {
-        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        let mut streams = lock(&self.streams);
         streams
             .entry(addr.to_string())
             .or_insert_with(|| Arc::new(Mux::new(self.shutdown.clone())))

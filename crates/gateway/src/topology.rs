@@ -10,6 +10,7 @@ use crate::error::GatewayError;
 use crate::metrics;
 use courier_proto::cluster::{broker_client::BrokerClient, BrokerTopology, BrokerTopologyRequest};
 use courier_proto::domain::{NodeId, PartitionId};
+use courier_proto::sync::{lock, read_lock, write_lock};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Mutex, RwLock};
 use std::time::Duration;
@@ -388,7 +389,7 @@ impl Topology {
 
     /// The channel to `addr`, created (not connected) on first use.
     pub fn channel(&self, addr: &str) -> Option<Channel> {
-        let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        let mut channels = lock(&self.channels);
         if let Some(c) = channels.get(addr) {
             return Some(c.clone());
         }
@@ -487,11 +488,11 @@ impl Topology {
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, ClusterView> {
         // The view is replaced whole under the lock, so a poisoned one is still usable.
-        self.view.read().unwrap_or_else(|e| e.into_inner())
+        read_lock(&self.view)
     }
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, ClusterView> {
-        self.view.write().unwrap_or_else(|e| e.into_inner())
+        write_lock(&self.view)
     }
 }
 

@@ -8,6 +8,7 @@
 //! - [`codec`]: the one place that turns domain values into cluster payloads and back.
 //! - [`mux`]: request/reply calls multiplexed on one long-lived gRPC stream.
 //! - [`backoff`]: full-jitter exponential back-off, for every retry loop.
+//! - [`sync`]: the one way a lock is taken.
 //! - [`tls`]: TLS on the client port and mutual TLS inside the cluster.
 //! - [`push_refusal`]: why a gateway refuses a pushed job.
 
@@ -18,6 +19,7 @@ pub mod codec;
 pub mod convert;
 pub mod domain;
 pub mod mux;
+pub mod sync;
 pub mod tls;
 pub mod validate;
 

@@ -3,6 +3,7 @@
 //! (every broker and gateway presents a certificate of the cluster's CA, and a
 //! broker's port takes no connection without one). See `docs/security.md`.
 
+use crate::sync::{read_lock, write_lock};
 use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
 use rustls::{RootCertStore, ServerConfig};
@@ -144,11 +145,11 @@ impl ReloadingCert {
     /// a new pair is in use.
     pub fn reload_if_changed(&self) -> Result<bool, TlsError> {
         let stamps = [stamp(&self.cert_path), stamp(&self.key_path)];
-        if self.current.read().unwrap_or_else(|e| e.into_inner()).1 == stamps {
+        if read_lock(&self.current).1 == stamps {
             return Ok(false);
         }
         let key = Self::read_pair(&self.cert_path, &self.key_path)?;
-        *self.current.write().unwrap_or_else(|e| e.into_inner()) = (key, stamps);
+        *write_lock(&self.current) = (key, stamps);
         Ok(true)
     }
 
@@ -194,13 +195,7 @@ pub async fn keep_reloading(
 
 impl ResolvesServerCert for ReloadingCert {
     fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(
-            self.current
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .0
-                .clone(),
-        )
+        Some(read_lock(&self.current).0.clone())
     }
 }
 

@@ -14,6 +14,7 @@ use courier_proto::domain::{
     JobStateKind, JobView, NewJob, PartitionId, ProcessContext, Reply, RequestId, MAX_JOB_BYTES,
     ONCE_WINDOW_MS,
 };
+use courier_proto::sync::lock;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -62,7 +63,7 @@ impl FlushSignal {
     /// Tells the waiting proposer; later calls do nothing.
     pub fn fire(&self) {
         if let Some(slot) = &self.0 {
-            let tx = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let tx = lock(slot).take();
             if let Some(tx) = tx {
                 let _ = tx.send(());
             }

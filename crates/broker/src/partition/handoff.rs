@@ -2,6 +2,7 @@
 //! preferred broker, gives it to an up-to-date follower, which stands at once.
 
 use super::*;
+use courier_proto::sync::lock;
 
 /// How long a leader that is shutting down waits for a follower to have its whole
 /// log, and then for that follower to lead, before it stops all the same.
@@ -22,7 +23,7 @@ pub(super) fn then_what(only: Option<NodeId>) -> &'static str {
 
 impl Partition {
     pub(super) fn gate_lock(&self) -> std::sync::MutexGuard<'_, usize> {
-        self.gate.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.gate)
     }
 
     /// Counts an entry the proposer is about to hand Raft, unless the gate is closed.
@@ -94,7 +95,7 @@ impl Partition {
         // refuse the vote it hands over, and the follower standing for election
         // would only unseat it. It leads on until then.
         let lease = Duration::from_millis(self.raft.config().election_timeout_max);
-        let since = *self.leading_since.lock().unwrap_or_else(|e| e.into_inner());
+        let since = *lock(&self.leading_since);
         if let Some(since) = since {
             tokio::time::sleep_until(since + lease + LEASE_MARGIN).await;
         }

@@ -29,6 +29,7 @@ use courier_proto::domain::{
     RequestId,
 };
 use courier_proto::push_refusal::DISOWNED;
+use courier_proto::sync::lock;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use openraft::error::{ClientWriteError, RaftError};
@@ -138,7 +139,7 @@ struct ActivationClaim<'a> {
 impl Drop for ActivationClaim<'_> {
     fn drop(&mut self) {
         let p = self.partition;
-        let mut claims = p.claims.lock().unwrap_or_else(|e| e.into_inner());
+        let mut claims = lock(&p.claims);
         claims.release(&self.job_type, &self.tenants, self.max_jobs, self.request);
         drop(claims);
         if !p.is_leader() {
@@ -293,7 +294,7 @@ impl Partition {
     /// begins to; called on every change of role or leader.
     pub fn note_role(&self) {
         let leading = self.is_leader();
-        let mut since = self.leading_since.lock().unwrap_or_else(|e| e.into_inner());
+        let mut since = lock(&self.leading_since);
         match (leading, since.is_some()) {
             (true, false) => {
                 *since = Some(tokio::time::Instant::now());
@@ -405,7 +406,7 @@ impl Partition {
         request: Option<RequestId>,
     ) -> Result<Option<ActivationClaim<'_>>, &'static str> {
         let leading_term = self.leading_term();
-        let mut claims = self.claims.lock().unwrap_or_else(|e| e.into_inner());
+        let mut claims = lock(&self.claims);
         if request.is_some_and(|r| claims.carries(r)) {
             return Ok(None);
         }

@@ -2,6 +2,7 @@
 //! activated jobs to gateways after apply, and yields and back-fills.
 
 use super::*;
+use courier_proto::sync::lock;
 
 impl Partition {
     /// The streams that may take the jobs this command makes runnable: decided here,
@@ -241,10 +242,7 @@ impl Partition {
 
     /// Queues a yield for the next paced batch.
     pub fn queue_yield(&self, key: JobKey, lease: u64, deadline: i64) {
-        self.yields
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((key, lease, deadline));
+        lock(&self.yields).push((key, lease, deadline));
         self.yield_wake.notify_one();
     }
 
@@ -314,7 +312,7 @@ pub(super) async fn run_yields(p: Arc<Partition>, shutdown: CancellationToken) {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(YIELD_PACE + jitter) => {}
         }
-        let batch = std::mem::take(&mut *p.yields.lock().unwrap_or_else(|e| e.into_inner()));
+        let batch = std::mem::take(&mut *lock(&p.yields));
         let soon = now_ms() + 2 * YIELD_PACE.as_millis() as i64;
         let (due, late): (Vec<_>, Vec<_>) = batch.into_iter().partition(|(_, _, d)| *d > soon);
         if !late.is_empty() {

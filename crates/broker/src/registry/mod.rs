@@ -9,6 +9,7 @@ use crate::engine::{PushTarget, Recipient};
 use crate::metrics;
 use courier_proto::cluster::{broker_message, BrokerMessage, HeldJob, HeldQuery, PushJob};
 use courier_proto::domain::{ActivatedJob, ActivationProps, PartitionId};
+use courier_proto::sync::lock;
 use dashmap::DashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -151,15 +152,12 @@ impl Link {
 
     /// Whether the gateway at the other end said `id` in its hello.
     pub fn is_gateway(&self, id: &str) -> bool {
-        *self.gateway.lock().unwrap_or_else(|e| e.into_inner()) == id
+        *lock(&self.gateway) == id
     }
 
     /// The id the gateway at the other end gave in its hello ("" before it).
     pub fn gateway_id(&self) -> String {
-        self.gateway
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        lock(&self.gateway).clone()
     }
 
     /// Queues a message toward the gateway; false when the link is gone or full.
@@ -342,7 +340,7 @@ impl JobStreamRegistry {
             self.last_hello.retain(|g, _| linked.contains(g));
         }
         self.last_hello.insert(gateway.clone(), n);
-        *link.gateway.lock().unwrap_or_else(|e| e.into_inner()) = gateway;
+        *lock(&link.gateway) = gateway;
     }
 
     /// The gateway of `link` stops gracefully: its clients are gone, and what they

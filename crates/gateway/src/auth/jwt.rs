@@ -4,6 +4,7 @@
 //! audience. The caller's tenants come from a claim, when one is named.
 
 use super::Caller;
+use courier_proto::sync::{lock, read_lock, write_lock};
 use courier_proto::validate;
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, JwkSet};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
@@ -220,7 +221,7 @@ impl JwtVerifier {
     }
 
     fn set_keys(&self, keys: Vec<Key>, modified: Option<SystemTime>) {
-        *self.keys.write().unwrap_or_else(|e| e.into_inner()) = Keys {
+        *write_lock(&self.keys) = Keys {
             keys,
             loaded: modified,
         };
@@ -229,7 +230,7 @@ impl JwtVerifier {
     }
 
     fn verified_tokens(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 32], (Caller, i64)>> {
-        self.verified.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.verified)
     }
 
     /// Loads the keys once from their source.
@@ -277,7 +278,7 @@ impl JwtVerifier {
             }
             if let KeySource::File(path) = &self.settings.keys {
                 let modified = std::fs::metadata(path).and_then(|m| m.modified()).ok();
-                if modified == self.keys.read().unwrap_or_else(|e| e.into_inner()).loaded {
+                if modified == read_lock(&self.keys).loaded {
                     continue;
                 }
             }
@@ -329,7 +330,7 @@ impl JwtVerifier {
         ) {
             return Err(JwtError::Algorithm(format!("{:?}", header.alg)));
         }
-        let keys = self.keys.read().unwrap_or_else(|e| e.into_inner());
+        let keys = read_lock(&self.keys);
         if keys.keys.is_empty() {
             self.refresh_wanted.notify_one();
             return Err(JwtError::NoKeys);

@@ -6,6 +6,7 @@
 //! previous tokens in force.
 
 use super::{sha256, Caller};
+use courier_proto::sync::{read_lock, write_lock};
 use courier_proto::validate;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -66,7 +67,7 @@ impl TokenFile {
     /// The caller whose token `token` is. Every known token is compared, found or not.
     pub fn lookup(&self, token: &str) -> Option<Caller> {
         let hash = sha256(token.as_bytes());
-        let state = self.state.read().unwrap_or_else(|e| e.into_inner());
+        let state = read_lock(&self.state);
         let mut found = None;
         for k in &state.0 {
             if bool::from(k.hash.ct_eq(&hash)) && found.is_none() {
@@ -82,13 +83,13 @@ impl TokenFile {
             return Ok(false);
         };
         let now = modified(path);
-        if self.state.read().unwrap_or_else(|e| e.into_inner()).1 == now {
+        if read_lock(&self.state).1 == now {
             return Ok(false);
         }
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         let known = parse(&text, &path.display().to_string())?;
-        *self.state.write().unwrap_or_else(|e| e.into_inner()) = (known, now);
+        *write_lock(&self.state) = (known, now);
         Ok(true)
     }
 

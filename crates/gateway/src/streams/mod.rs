@@ -59,6 +59,7 @@ use courier_proto::cluster::{
 };
 use courier_proto::domain::{ActivationProps, NodeId};
 use courier_proto::gateway_protocol as gw;
+use courier_proto::sync::lock;
 use futures::Stream;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
@@ -627,6 +628,6 @@ impl AggregatedStreams {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         // Every critical section leaves the state consistent, so a poisoned one is usable.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 }
