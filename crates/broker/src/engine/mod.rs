@@ -18,7 +18,6 @@ use courier_proto::sync::lock;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
-use tokio::sync::oneshot;
 
 mod apply;
 #[cfg(test)]
@@ -44,15 +43,36 @@ pub struct Batch {
 /// durability `replicated`: written). Raft 0.9 takes one append at a time and waits
 /// for it to be flushed, so that moment, not the commit, is when the proposer hands
 /// it the next entry: whatever queued during the flush goes into that one entry.
-/// Dropping the signal unfired (the entry never reached the log) fires it too.
+/// Dropping the last copy unfired (the entry never reached the log) fires it too.
+/// What firing does is the proposer's; the engine only carries it.
 #[derive(Clone, Default)]
-pub struct FlushSignal(Option<Arc<Mutex<Option<oneshot::Sender<()>>>>>);
+pub struct FlushSignal(Option<Arc<OnFlushed>>);
+
+/// What firing does, done at most once: when fired, or when the last copy of the
+/// signal is dropped unfired.
+struct OnFlushed(Mutex<Option<Box<dyn FnOnce() + Send>>>);
+
+impl OnFlushed {
+    fn run(&self) {
+        let f = lock(&self.0).take();
+        if let Some(f) = f {
+            f();
+        }
+    }
+}
+
+impl Drop for OnFlushed {
+    fn drop(&mut self) {
+        self.run();
+    }
+}
 
 impl FlushSignal {
-    /// A signal and the receiver that learns when it fires (or is dropped).
-    pub fn new() -> (FlushSignal, oneshot::Receiver<()>) {
-        let (tx, rx) = oneshot::channel();
-        (FlushSignal(Some(Arc::new(Mutex::new(Some(tx))))), rx)
+    /// A signal that calls `on_flushed` when it fires (or is dropped unfired).
+    pub fn new(on_flushed: impl FnOnce() + Send + 'static) -> FlushSignal {
+        FlushSignal(Some(Arc::new(OnFlushed(Mutex::new(Some(Box::new(
+            on_flushed,
+        )))))))
     }
 
     /// Whether anyone waits for this signal.
@@ -62,11 +82,8 @@ impl FlushSignal {
 
     /// Tells the waiting proposer; later calls do nothing.
     pub fn fire(&self) {
-        if let Some(slot) = &self.0 {
-            let tx = lock(slot).take();
-            if let Some(tx) = tx {
-                let _ = tx.send(());
-            }
+        if let Some(on_flushed) = &self.0 {
+            on_flushed.run();
         }
     }
 }

@@ -84,7 +84,10 @@ pub(super) async fn run_proposer(
         ) && p.enter_gate()
         {
             let batch = pending.take();
-            let (signal, flushed) = FlushSignal::new();
+            let (flushed_tx, flushed) = oneshot::channel();
+            let signal = FlushSignal::new(move || {
+                let _ = flushed_tx.send(());
+            });
             next_seq += 1;
             appending = Some((next_seq, flushed));
             let p = p.clone();

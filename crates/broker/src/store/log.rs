@@ -465,7 +465,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let db = Db::open(dir.path(), Durability::Replicated).unwrap();
         let mut log = LogStore::open(&db, 1, 1).unwrap();
-        let (signal, mut flushed) = FlushSignal::new();
+        let (tx, mut flushed) = tokio::sync::oneshot::channel();
+        let signal = FlushSignal::new(move || {
+            let _ = tx.send(());
+        });
         let mut written = entries(1..=3);
         written[1].payload = EntryPayload::Normal(Batch {
             ts: 7,
