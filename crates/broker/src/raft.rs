@@ -34,7 +34,7 @@ openraft::declare_raft_types!(
     pub TypeConfig:
         D = Batch,
         R = Applied,
-        NodeId = u64,
+        NodeId = NodeId,
         Node = BasicNode,
         Entry = openraft::Entry<TypeConfig>,
         SnapshotData = std::io::Cursor<Vec<u8>>,
@@ -43,7 +43,7 @@ openraft::declare_raft_types!(
 
 /// The Raft handle of one partition.
 pub type Raft = openraft::Raft<TypeConfig>;
-type NodeId = u64;
+use courier_proto::domain::NodeId;
 
 /// The header of a snapshot chunk; its bytes travel beside it as protobuf `bytes`.
 #[derive(Serialize, Deserialize)]

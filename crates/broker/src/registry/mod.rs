@@ -8,7 +8,7 @@
 use crate::engine::{PushTarget, Recipient};
 use crate::metrics;
 use courier_proto::cluster::{broker_message, BrokerMessage, HeldJob, HeldQuery, PushJob};
-use courier_proto::domain::{ActivatedJob, ActivationProps, PartitionId};
+use courier_proto::domain::{ActivatedJob, ActivationProps, NodeId, PartitionId};
 use courier_proto::sync::lock;
 use dashmap::DashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -255,7 +255,7 @@ pub struct JobStreamRegistry {
 impl JobStreamRegistry {
     /// The registry of broker `node`, which keeps that broker's
     /// `courier_broker_registered_streams` current.
-    pub fn for_node(node: u64) -> JobStreamRegistry {
+    pub fn for_node(node: NodeId) -> JobStreamRegistry {
         JobStreamRegistry {
             gauge: Some(metrics::STREAMS.with_label_values(&[&node.to_string()])),
             ..JobStreamRegistry::default()

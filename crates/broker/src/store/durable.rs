@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::watch;
 
-type NodeId = u64;
+use courier_proto::domain::NodeId;
 
 /// The flush state of one partition's log, shared by its log store, its state
 /// machine and its Raft network.

@@ -17,7 +17,7 @@ use std::sync::Arc;
 const VOTE: &[u8] = b"vote";
 const LAST_PURGED: &[u8] = b"last_purged";
 
-type NodeId = u64;
+use courier_proto::domain::NodeId;
 
 /// Entries deleted per write batch when purging: each batch holds fjall's journal
 /// lock while it goes into the memtable, and every other write of the broker (log

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use tokio::sync::Notify;
 
-type NodeId = u64;
+use courier_proto::domain::NodeId;
 
 const APPLIED: &[u8] = b"sm.applied";
 const MEMBERSHIP: &[u8] = b"sm.membership";
