@@ -66,10 +66,6 @@ pub enum Error {
     Io(#[from] std::io::Error),
 }
 
-/// Largest message between brokers and gateways: a command may carry documents of
-/// up to 4 MiB and a Raft append carries many commands.
-pub const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
-
 /// How long a stopping broker waits for its connections to close.
 const SERVER_DRAIN: Duration = Duration::from_millis(500);
 
@@ -193,8 +189,8 @@ pub async fn run(
                 peers: peers.clone(),
                 shutdown: shutdown.clone(),
             })
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+            .max_decoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES)
+            .max_encoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES),
         )
         .add_service(
             BrokerServer::new(BrokerService {
@@ -204,8 +200,8 @@ pub async fn run(
                 registry,
                 shutdown: shutdown.clone(),
             })
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+            .max_decoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES)
+            .max_encoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES),
         )
         .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
     let server = tokio::spawn(server);

@@ -249,8 +249,8 @@ impl PeerLink {
         let open = |requests| async move {
             crate::metrics::RAFT_STREAMS_OPENED.inc();
             let replies = RaftClient::new(self.channel.clone())
-                .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(crate::MAX_MESSAGE_BYTES)
+                .max_decoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES)
+                .max_encoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES)
                 .stream(with_data_format(tonic::Request::new(requests)))
                 .await?;
             Ok(replies.into_inner())

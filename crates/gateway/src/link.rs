@@ -8,7 +8,6 @@
 
 use crate::long_poll::LongPollQueue;
 use crate::metrics;
-use crate::router::MAX_BROKER_MESSAGE;
 use crate::streams::{AggregatedStreams, AttachedLink};
 use crate::topology::Topology;
 use courier_proto::backoff::Backoff;
@@ -161,7 +160,8 @@ impl BrokerLink {
         // behind the hello and the initial registrations instead of being missed.
         let (outbound, rx) = self.streams.attach_link(node, hello);
         // Pushed jobs carry up to 4 MiB of variables, tonic's default limit.
-        let mut client = BrokerClient::new(channel).max_decoding_message_size(MAX_BROKER_MESSAGE);
+        let mut client = BrokerClient::new(channel)
+            .max_decoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES);
         let call = client.link(ReceiverStream::new(rx));
         match tokio::time::timeout(OPEN_TIMEOUT, call).await {
             Ok(Ok(response)) => Ok(Connected {

@@ -25,9 +25,6 @@ const RETRY_CAP: Duration = Duration::from_millis(500);
 /// requests for it are answered at once (UNAVAILABLE, which clients retry) rather
 /// than held until their deadline.
 pub const LEADERLESS_OUTAGE: Duration = Duration::from_secs(4);
-/// Largest reply accepted from a broker: an activation batch carries up to
-/// maxJobsToActivate jobs of up to 4 MiB variables each, far above tonic's 4 MiB default.
-pub const MAX_BROKER_MESSAGE: usize = 256 * 1024 * 1024;
 /// No deadline lies further out than this, so adding a client's timeout to `now`
 /// can never overflow.
 const FAR_FUTURE: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -292,8 +289,8 @@ impl Router {
                     .insert(courier_proto::GATEWAY_ID_HEADER, id);
             }
             let replies = BrokerClient::new(channel)
-                .max_decoding_message_size(MAX_BROKER_MESSAGE)
-                .max_encoding_message_size(MAX_BROKER_MESSAGE)
+                .max_decoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES)
+                .max_encoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES)
                 .execute(request)
                 .await?;
             Ok(replies.into_inner())

@@ -48,6 +48,11 @@ pub mod courier {
 pub use courier::cluster;
 pub use courier::v1 as courier_v1;
 
+/// Largest message between brokers, and between gateways and brokers, each way: a
+/// command may carry documents of up to 4 MiB and a Raft append carries many
+/// commands. Both ends of every cluster call use this one bound.
+pub const MAX_CLUSTER_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
+
 /// Metadata on a gateway's command stream to a broker: the gateway's id, as in the
 /// hello of its link. A broker does not tell a gateway about the end of a pushed
 /// job's activation when that gateway itself sent the command that ended it.
