@@ -43,14 +43,14 @@ impl AggregatedStreams {
             let key = b.job.key;
             // A job whose credit came back while buffered has finished or timed out:
             // nobody should run it.
-            if !st.holds(key, client_id, b.lease) {
+            if !st.holds(key, Holder::Client(client_id), b.lease) {
                 stale += 1;
                 continue;
             }
             match st.offer(stream_id, b) {
                 Ok(to) => {
                     if let Some(h) = st.held.get_mut(&key) {
-                        h.client_id = to;
+                        h.holder = Holder::Client(to);
                     }
                     moved += 1;
                 }
@@ -72,7 +72,7 @@ impl AggregatedStreams {
                 .unwrap_or_default();
             for b in spare {
                 let key = b.job.key;
-                if st.holds(key, SPARE, b.lease) {
+                if st.holds(key, Holder::Spare, b.lease) {
                     yielded += 1;
                     st.release(key);
                     st.yield_job(b, NO_CLIENT);
@@ -126,7 +126,7 @@ impl AggregatedStreams {
     pub(super) fn take(&self, stream_id: u64, client_id: u64, b: &Buffered, starved: bool) -> bool {
         let mut st = self.lock();
         let key = b.job.key;
-        let current = st.holds(key, client_id, b.lease);
+        let current = st.holds(key, Holder::Client(client_id), b.lease);
         if !current {
             metrics::stale_jobs_dropped(1);
             tracing::debug!(

@@ -144,12 +144,14 @@ pub struct Limits {
     pub spare_percent: u32,
 }
 
-/// [`Held::client_id`] of a job in its stream's spare room (client ids start at 1).
-const SPARE: u64 = 0;
-
-/// [`Held::lease`] of a job a joining client declared it holds (leases start at 1;
-/// the client does not know which activation it holds).
-const DECLARED: u64 = 0;
+/// Who holds a pushed job at this gateway.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Holder {
+    /// A client (that may have left: the job still counts against the gateway).
+    Client(u64),
+    /// Its stream's spare room, until a client frees credit.
+    Spare,
+}
 
 /// A pushed job waiting in a client's buffer, with what a yield needs.
 struct Buffered {
@@ -228,9 +230,10 @@ impl Aggregated {
 /// A pushed job counted against a client until it finishes.
 struct Held {
     stream_id: u64,
-    /// May name a client that left: the job still counts against the gateway.
-    client_id: u64,
-    lease: u64,
+    holder: Holder,
+    /// The activation held; `None` for a job a joining client declared it holds
+    /// (the client does not know which activation it has).
+    lease: Option<u64>,
     /// When the activation times out, in the gateway's clock.
     deadline: Instant,
     /// Variables and custom headers.
@@ -465,20 +468,20 @@ impl AggregatedStreams {
         let outcome = st.accept(node, conn, push.stream_id, buffered);
         self.wake_if_dirty(&st);
         drop(st);
-        let reason = match outcome {
+        let refused = match outcome {
             Ok(()) => {
                 metrics::job_pushed();
-                ""
+                None
             }
             Err(reason) => {
                 metrics::push_rejected(reason);
-                reason
+                Some(reason)
             }
         };
         Some(PushAck {
             push_id: push.push_id,
-            accepted: reason.is_empty(),
-            reason: reason.to_string(),
+            accepted: refused.is_none(),
+            reason: refused.unwrap_or_default().to_string(),
         })
     }
 
@@ -486,7 +489,7 @@ impl AggregatedStreams {
     /// Unknown keys and other activations' leases are ignored, so this is idempotent.
     pub fn finished(&self, key: i64, lease: u64) {
         let mut st = self.lock();
-        if st.held.get(&key).is_some_and(|h| h.lease == lease) {
+        if st.held.get(&key).is_some_and(|h| h.lease == Some(lease)) {
             st.release(key);
             self.wake_if_dirty(&st);
         }
@@ -530,11 +533,11 @@ impl AggregatedStreams {
         let mut held = Vec::new();
         for j in q.jobs {
             let (holds, spare) = match st.held.get(&j.key) {
-                Some(h) if h.lease == j.lease => (true, h.client_id == SPARE),
+                Some(h) if h.lease == Some(j.lease) => (true, h.holder == Holder::Spare),
                 // A worker that came back (its gateway restarted, say) runs it: the
                 // activation asked about is the one it was handed, or the job would
                 // not be activated through a gateway that is gone.
-                Some(h) if h.lease == DECLARED => (true, false),
+                Some(h) if h.lease.is_none() => (true, false),
                 _ => (false, false),
             };
             if spare {

@@ -53,7 +53,7 @@ impl State {
                 s.spare.iter().find_map(|b| {
                     self.held
                         .get(&b.job.key)
-                        .filter(|h| h.client_id == SPARE && h.lease == b.lease)
+                        .filter(|h| h.holder == Holder::Spare && h.lease == Some(b.lease))
                         .map(|h| now.saturating_duration_since(h.since) >= SPARE_WAIT)
                 }) == Some(true)
             })
@@ -68,7 +68,7 @@ impl State {
                 None => continue,
             };
             for b in jobs {
-                if self.holds(b.job.key, SPARE, b.lease) {
+                if self.holds(b.job.key, Holder::Spare, b.lease) {
                     self.release(b.job.key);
                     self.yield_job(b, SPARE_WAITED);
                 }
@@ -126,12 +126,12 @@ impl State {
             return Err(GATEWAY_FULL);
         }
         let (lease, deadline_ms) = (b.lease, b.job.deadline);
-        let client_id = match self.offer(stream_id, b) {
-            Ok(client_id) => client_id,
+        let holder = match self.offer(stream_id, b) {
+            Ok(client_id) => Holder::Client(client_id),
             Err((b, reason)) => {
                 // No client has credit: the spare room takes it, if there is room.
                 if reason == CLIENTS_FULL && self.put_spare(stream_id, b).is_ok() {
-                    SPARE
+                    Holder::Spare
                 } else {
                     // The broker thought there was credit: correct its view.
                     self.dirty.insert(stream_id);
@@ -148,8 +148,8 @@ impl State {
             key,
             Held {
                 stream_id,
-                client_id,
-                lease,
+                holder,
+                lease: Some(lease),
                 deadline,
                 bytes,
                 since: Instant::now(),
@@ -184,10 +184,11 @@ impl State {
             }
             match self.held.get_mut(&key) {
                 // Handed to a client that has left: its worker is back.
-                Some(h) if h.client_id != SPARE && !self.clients.contains_key(&h.client_id) => {
+                Some(h) if matches!(h.holder, Holder::Client(c) if !self.clients.contains_key(&c)) =>
+                {
                     // Its old stream's gauges let it go with the client that left.
                     h.stream_id = stream_id;
-                    h.client_id = client_id;
+                    h.holder = Holder::Client(client_id);
                 }
                 // Another client's, or waiting in a spare room: not this worker's.
                 Some(_) => continue,
@@ -199,11 +200,11 @@ impl State {
                         key,
                         Held {
                             stream_id,
-                            client_id,
+                            holder: Holder::Client(client_id),
                             // No activation lease known: a broker's notice that
                             // an activation ended does not name this one, a
                             // finish through here or the deadline ends it.
-                            lease: DECLARED,
+                            lease: None,
                             deadline,
                             bytes: 0,
                             since: now,
@@ -224,12 +225,12 @@ impl State {
         adopted
     }
 
-    /// Whether job `key`'s activation `lease` is held for client `client_id` (or in its
-    /// stream's spare room: [`SPARE`]). False once that activation ended here.
-    pub(super) fn holds(&self, key: i64, client_id: u64, lease: u64) -> bool {
+    /// Whether job `key`'s activation `lease` is held by `holder`. False once that
+    /// activation ended here.
+    pub(super) fn holds(&self, key: i64, holder: Holder, lease: u64) -> bool {
         self.held
             .get(&key)
-            .is_some_and(|h| h.client_id == client_id && h.lease == lease)
+            .is_some_and(|h| h.holder == holder && h.lease == Some(lease))
     }
 
     /// Moves a held job that no client can take now into its stream's spare room; when
@@ -245,7 +246,7 @@ impl State {
         match self.put_spare(stream_id, b) {
             Ok(()) => {
                 if let Some(h) = self.held.get_mut(&key) {
-                    h.client_id = SPARE;
+                    h.holder = Holder::Spare;
                 }
                 true
             }
@@ -286,7 +287,7 @@ impl State {
                 return;
             };
             let (key, lease) = (b.job.key, b.lease);
-            if !self.holds(key, SPARE, lease) {
+            if !self.holds(key, Holder::Spare, lease) {
                 // Its hold ended while it waited: nobody should run it.
                 metrics::stale_jobs_dropped(1);
                 continue;
@@ -307,7 +308,7 @@ impl State {
             match self.offer(stream_id, b) {
                 Ok(to) => {
                     if let Some(h) = self.held.get_mut(&key) {
-                        h.client_id = to;
+                        h.holder = Holder::Client(to);
                     }
                     if let Some(s) = self.streams.get_mut(&stream_id) {
                         s.spared = s.spared.saturating_sub(1);
@@ -378,13 +379,16 @@ impl State {
         self.inflight_bytes -= h.bytes;
         metrics::inflight(-1, -i64::try_from(h.bytes).unwrap_or(i64::MAX));
         self.full = false;
-        if h.client_id == SPARE {
+        if h.holder == Holder::Spare {
             if let Some(s) = self.streams.get_mut(&h.stream_id) {
                 s.spared = s.spared.saturating_sub(1);
             }
             metrics::spare_jobs(-1);
             self.dirty.insert(h.stream_id);
-        } else if let Some(c) = self.clients.get_mut(&h.client_id) {
+        } else if let Some(c) = match h.holder {
+            Holder::Client(c) => self.clients.get_mut(&c),
+            Holder::Spare => None,
+        } {
             c.held = c.held.saturating_sub(1);
             if let Some(s) = self.streams.get(&h.stream_id) {
                 s.gauges.add(-1, 1);
