@@ -214,7 +214,7 @@ for d in "${MODES[@]}"; do
     if [[ $d == fsync ]]; then
       start_dev "$d" -e2e; e2e "courier dev, $d" "$ADDR"; stop_all
       # dev's default is one worker thread; the same rows on two (one per CPU
-      # here, dev's default from 2026-12-01 to 2026-12-04) show what that is worth.
+      # here) show what that is worth.
       start_dev "$d" -e2e2 --worker-threads 2; e2e "courier dev --worker-threads 2, $d" "$ADDR"; stop_all
     fi
     start_cluster "$d"; bench "3 brokers, RF 3, 3 partitions, $d" "$ADDR"; stop_all

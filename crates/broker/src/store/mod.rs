@@ -151,10 +151,9 @@ pub const REPLICATED_FLUSH_INTERVAL: Duration = Duration::from_millis(50);
 
 /// The most fjall keeps in journals before it flushes the memtables that pin the
 /// oldest (its default is 512 MiB). A broker that crashed replays its journals before
-/// it starts. After a minute of full load on `courier dev` the default left 310-330 MB
-/// of data, mostly journals, and a restart after SIGKILL took 3.3-3.7 s to recover
-/// them; with this bound, 155-167 MB and 1.6-1.7 s, at the same throughput. 64 MiB is
-/// the least fjall accepts.
+/// it starts, so a smaller bound halves both the data left after a burst of load and
+/// the time a restart after a crash takes, at the same throughput. 64 MiB is the
+/// least fjall accepts.
 const MAX_JOURNALING_BYTES: u64 = 64 * 1024 * 1024;
 
 /// The most a keyspace's memtable holds before it is flushed to a table (fjall's
