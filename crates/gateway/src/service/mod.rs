@@ -352,14 +352,13 @@ impl Shared {
         &self,
         caller: Option<&Caller>,
         props: &ActivationProps,
-        declared: Vec<(i64, i64)>,
-    ) -> Vec<(i64, i64)> {
+        declared: Vec<(JobKey, i64)>,
+    ) -> Vec<(JobKey, i64)> {
         if declared.is_empty() {
             return declared;
         }
         let deadline = instant_after(HELD_CHECK_BUDGET);
         let checks = declared.into_iter().map(|(key, deadline_ms)| async move {
-            let key = JobKey(key);
             let view = self
                 .on_job(caller, key, Request::GetJob { key }, deadline)
                 .await;
@@ -375,7 +374,7 @@ impl Shared {
                     "a declared held job is not this worker's; not counted"
                 );
             }
-            confirmed.then_some((key.0, deadline_ms))
+            confirmed.then_some((key, deadline_ms))
         });
         futures::future::join_all(checks)
             .await
@@ -599,7 +598,7 @@ fn loggable(text: &str) -> &str {
 /// [`JOBS_HELD_HEADER`]: `KEY:DEADLINE_MS` pairs separated by commas, at most
 /// [`MAX_CLIENT_CREDIT`] of them. Entries that do not parse are skipped (logged):
 /// the header only spares the worker jobs it has no room for.
-fn declared_held(metadata: &tonic::metadata::MetadataMap) -> Vec<(i64, i64)> {
+fn declared_held(metadata: &tonic::metadata::MetadataMap) -> Vec<(JobKey, i64)> {
     let Some(value) = metadata.get(JOBS_HELD_HEADER) else {
         return Vec::new();
     };
@@ -614,7 +613,10 @@ fn declared_held(metadata: &tonic::metadata::MetadataMap) -> Vec<(i64, i64)> {
     let mut skipped = 0usize;
     for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
         let parsed = entry.split_once(':').and_then(|(k, d)| {
-            Some((k.trim().parse::<i64>().ok()?, d.trim().parse::<i64>().ok()?))
+            Some((
+                JobKey(k.trim().parse::<i64>().ok()?),
+                d.trim().parse::<i64>().ok()?,
+            ))
         });
         match parsed {
             Some(pair) if held.len() < MAX_CLIENT_CREDIT as usize => held.push(pair),

@@ -166,7 +166,11 @@ fn declared_held_jobs_are_read_and_bad_entries_skipped() {
     );
     assert_eq!(
         declared_held(&md),
-        [(11, 1_700_000_000_000), (12, 1_700_000_000_001), (14, -5)]
+        [
+            (JobKey(11), 1_700_000_000_000),
+            (JobKey(12), 1_700_000_000_001),
+            (JobKey(14), -5)
+        ]
     );
     let many: Vec<String> = (0..MAX_CLIENT_CREDIT as i64 + 5)
         .map(|k| format!("{k}:1"))

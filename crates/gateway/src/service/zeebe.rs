@@ -163,7 +163,7 @@ impl Gateway for GatewayService {
             // the job. A valid one means the worker is done with it: its credit
             // comes back now, so the next job is on its way while this one commits.
             let command = convert::complete_request(&r).map_err(invalid)?;
-            let _finishing = self.0.streams.finished_here(r.job_key, since);
+            let _finishing = self.0.streams.finished_here(JobKey(r.job_key), since);
             self.0
                 .job_command(caller.as_deref(), r.job_key, Ok(command), deadline)
                 .await?;
@@ -187,7 +187,7 @@ impl Gateway for GatewayService {
             // the job. A valid one means the worker is done with it: its credit
             // comes back now, so the next job is on its way while this one commits.
             let command = convert::fail_request(&r).map_err(invalid)?;
-            let _finishing = self.0.streams.finished_here(r.job_key, since);
+            let _finishing = self.0.streams.finished_here(JobKey(r.job_key), since);
             self.0
                 .job_command(caller.as_deref(), r.job_key, Ok(command), deadline)
                 .await?;
@@ -211,7 +211,7 @@ impl Gateway for GatewayService {
             // the job. A valid one means the worker is done with it: its credit
             // comes back now, so the next job is on its way while this one commits.
             let command = convert::throw_error_request(&r).map_err(invalid)?;
-            let _finishing = self.0.streams.finished_here(r.job_key, since);
+            let _finishing = self.0.streams.finished_here(JobKey(r.job_key), since);
             self.0
                 .job_command(caller.as_deref(), r.job_key, Ok(command), deadline)
                 .await?;
@@ -255,7 +255,9 @@ impl Gateway for GatewayService {
             self.0
                 .job_command(caller.as_deref(), r.job_key, command, deadline)
                 .await?;
-            self.0.streams.timeout_updated(r.job_key, r.timeout, since);
+            self.0
+                .streams
+                .timeout_updated(JobKey(r.job_key), r.timeout, since);
             Ok(gw::UpdateJobTimeoutResponse {})
         })
         .await

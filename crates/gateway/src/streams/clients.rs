@@ -40,7 +40,7 @@ impl AggregatedStreams {
         rx.close();
         let (mut moved, mut yielded, mut stale) = (0usize, 0usize, 0usize);
         while let Ok(b) = rx.try_recv() {
-            let key = b.job.key;
+            let key = b.key();
             // A job whose credit came back while buffered has finished or timed out:
             // nobody should run it.
             if !st.holds(key, Holder::Client(client_id), b.lease) {
@@ -71,7 +71,7 @@ impl AggregatedStreams {
                 .map(|s| std::mem::take(&mut s.spare))
                 .unwrap_or_default();
             for b in spare {
-                let key = b.job.key;
+                let key = b.key();
                 if st.holds(key, Holder::Spare, b.lease) {
                     yielded += 1;
                     st.release(key);
@@ -125,12 +125,12 @@ impl AggregatedStreams {
     /// stream's last report was held down by this client's buffer, so it reports again.
     pub(super) fn take(&self, stream_id: u64, client_id: u64, b: &Buffered, starved: bool) -> bool {
         let mut st = self.lock();
-        let key = b.job.key;
+        let key = b.key();
         let current = st.holds(key, Holder::Client(client_id), b.lease);
         if !current {
             metrics::stale_jobs_dropped(1);
             tracing::debug!(
-                job = key,
+                job = %key,
                 client_id,
                 "activation ended while buffered; dropped"
             );
@@ -150,7 +150,7 @@ impl AggregatedStreams {
 #[must_use = "the job counts as finishing here only while this lives"]
 pub struct Finishing {
     pub(super) streams: Arc<AggregatedStreams>,
-    pub(super) key: i64,
+    pub(super) key: JobKey,
 }
 
 impl Drop for Finishing {

@@ -57,7 +57,7 @@ use courier_proto::cluster::{
     gateway_message, GatewayMessage, HeldAnswer, HeldQuery, PushAck, PushJob, RegisterStream,
     StreamCredit, StreamProps, UnregisterStream, YieldJob,
 };
-use courier_proto::domain::{ActivationProps, NodeId};
+use courier_proto::domain::{ActivationProps, JobKey, NodeId};
 use courier_proto::gateway_protocol as gw;
 use courier_proto::sync::lock;
 use futures::Stream;
@@ -161,6 +161,13 @@ struct Buffered {
     node: NodeId,
     partition: u32,
     lease: u64,
+}
+
+impl Buffered {
+    /// The job's key.
+    fn key(&self) -> JobKey {
+        JobKey(self.job.key)
+    }
 }
 
 struct Client {
@@ -291,14 +298,14 @@ struct State {
     clients: HashMap<u64, Client>,
     links: HashMap<NodeId, LinkEntry>,
     /// Job key -> its hand-off, so finishing is O(1).
-    held: HashMap<i64, Held>,
+    held: HashMap<JobKey, Held>,
     /// Job key -> completions, failures and thrown errors for it on their way
     /// through this gateway now (see [`Finishing`]).
-    finishing: HashMap<i64, u32>,
+    finishing: HashMap<JobKey, u32>,
     /// (job key, lease) a leader was told this gateway does not hold, and when.
-    disowned: HashMap<(i64, u64), Instant>,
+    disowned: HashMap<(JobKey, u64), Instant>,
     /// (deadline, job key) of every held job, earliest first.
-    deadlines: BTreeSet<(Instant, i64)>,
+    deadlines: BTreeSet<(Instant, JobKey)>,
     inflight_bytes: usize,
     /// A push was refused for the gateway's bounds and nothing was released since:
     /// reports say no room, so brokers do not keep pushing into a full gateway.
@@ -368,7 +375,7 @@ impl AggregatedStreams {
         self: &Arc<Self>,
         props: ActivationProps,
         credit: Option<u32>,
-        held: &[(i64, i64)],
+        held: &[(JobKey, i64)],
     ) -> ClientStream {
         let mut st = self.lock();
         // A zero-capacity channel panics; one job is the least a client can take.
@@ -487,7 +494,7 @@ impl AggregatedStreams {
 
     /// A broker says activation `lease` of job `key` ended: its credit comes back.
     /// Unknown keys and other activations' leases are ignored, so this is idempotent.
-    pub fn finished(&self, key: i64, lease: u64) {
+    pub fn finished(&self, key: JobKey, lease: u64) {
         let mut st = self.lock();
         if st.held.get(&key).is_some_and(|h| h.lease == Some(lease)) {
             st.release(key);
@@ -500,7 +507,7 @@ impl AggregatedStreams {
     /// comes back, unless it was handed off after `since` (a new activation). Until
     /// the returned guard is dropped (the request has its answer), a broker asking
     /// whether this gateway holds the job hears that it does.
-    pub fn finished_here(self: &Arc<Self>, key: i64, since: Instant) -> Finishing {
+    pub fn finished_here(self: &Arc<Self>, key: JobKey, since: Instant) -> Finishing {
         let mut st = self.lock();
         if st.held.get(&key).is_some_and(|h| h.since <= since) {
             st.release(key);
@@ -532,7 +539,8 @@ impl AggregatedStreams {
         let now = Instant::now();
         let mut held = Vec::new();
         for j in q.jobs {
-            let (holds, spare) = match st.held.get(&j.key) {
+            let key = JobKey(j.key);
+            let (holds, spare) = match st.held.get(&key) {
                 Some(h) if h.lease == Some(j.lease) => (true, h.holder == Holder::Spare),
                 // A worker that came back (its gateway restarted, say) runs it: the
                 // activation asked about is the one it was handed, or the job would
@@ -542,12 +550,12 @@ impl AggregatedStreams {
             };
             if spare {
                 // Dropped from the spare room when reached: its hold is over.
-                st.release(j.key);
+                st.release(key);
             }
-            if (holds && !spare) || st.finishing.contains_key(&j.key) {
+            if (holds && !spare) || st.finishing.contains_key(&key) {
                 held.push(j);
             } else {
-                st.disowned.insert((j.key, j.lease), now);
+                st.disowned.insert((key, j.lease), now);
             }
         }
         self.wake_if_dirty(&st);
@@ -559,7 +567,7 @@ impl AggregatedStreams {
 
     /// Job `key`'s activation timeout was set to `timeout_ms` from now through this
     /// gateway by a request that started at `since`: its credit is held until then.
-    pub fn timeout_updated(&self, key: i64, timeout_ms: i64, since: Instant) {
+    pub fn timeout_updated(&self, key: JobKey, timeout_ms: i64, since: Instant) {
         let mut st = self.lock();
         let Some(h) = st.held.get_mut(&key).filter(|h| h.since <= since) else {
             return;

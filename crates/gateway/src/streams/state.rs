@@ -52,7 +52,7 @@ impl State {
             .filter(|(_, s)| {
                 s.spare.iter().find_map(|b| {
                     self.held
-                        .get(&b.job.key)
+                        .get(&b.key())
                         .filter(|h| h.holder == Holder::Spare && h.lease == Some(b.lease))
                         .map(|h| now.saturating_duration_since(h.since) >= SPARE_WAIT)
                 }) == Some(true)
@@ -68,8 +68,8 @@ impl State {
                 None => continue,
             };
             for b in jobs {
-                if self.holds(b.job.key, Holder::Spare, b.lease) {
-                    self.release(b.job.key);
+                if self.holds(b.key(), Holder::Spare, b.lease) {
+                    self.release(b.key());
                     self.yield_job(b, SPARE_WAITED);
                 }
             }
@@ -108,7 +108,7 @@ impl State {
                 s.prefer = None;
             }
         }
-        let key = b.job.key;
+        let key = b.key();
         if self.disowned.contains_key(&(key, b.lease)) {
             return Err(DISOWNED);
         }
@@ -163,7 +163,7 @@ impl State {
 
     /// Counts jobs a joining client already holds against its credit (see
     /// [`AggregatedStreams::join_holding`]); returns how many.
-    pub(super) fn adopt(&mut self, stream_id: u64, client_id: u64, jobs: &[(i64, i64)]) -> u32 {
+    pub(super) fn adopt(&mut self, stream_id: u64, client_id: u64, jobs: &[(JobKey, i64)]) -> u32 {
         let now = Instant::now();
         let timeout_ms = self
             .streams
@@ -227,7 +227,7 @@ impl State {
 
     /// Whether job `key`'s activation `lease` is held by `holder`. False once that
     /// activation ended here.
-    pub(super) fn holds(&self, key: i64, holder: Holder, lease: u64) -> bool {
+    pub(super) fn holds(&self, key: JobKey, holder: Holder, lease: u64) -> bool {
         self.held
             .get(&key)
             .is_some_and(|h| h.holder == holder && h.lease == Some(lease))
@@ -239,7 +239,7 @@ impl State {
     pub(super) fn keep_spare(
         &mut self,
         stream_id: u64,
-        key: i64,
+        key: JobKey,
         b: Buffered,
         reason: &'static str,
     ) -> bool {
@@ -286,7 +286,7 @@ impl State {
             else {
                 return;
             };
-            let (key, lease) = (b.job.key, b.lease);
+            let (key, lease) = (b.key(), b.lease);
             if !self.holds(key, Holder::Spare, lease) {
                 // Its hold ended while it waited: nobody should run it.
                 metrics::stale_jobs_dropped(1);
@@ -371,7 +371,7 @@ impl State {
 
     /// Ends the hold on job `key`, if any: its client (if still there) and the gateway
     /// get the credit back.
-    pub(super) fn release(&mut self, key: i64) {
+    pub(super) fn release(&mut self, key: JobKey) {
         let Some(h) = self.held.remove(&key) else {
             return;
         };

@@ -4,6 +4,11 @@ use courier_proto::domain::DEFAULT_TENANT;
 use futures::FutureExt;
 use futures::StreamExt;
 
+/// Declared held jobs as `join_holding` takes them.
+fn jobs_held(pairs: &[(i64, i64)]) -> Vec<(JobKey, i64)> {
+    pairs.iter().map(|&(k, d)| (JobKey(k), d)).collect()
+}
+
 fn limits(client_credit: u32) -> Limits {
     Limits {
         client_credit,
@@ -248,7 +253,7 @@ fn a_client_never_holds_more_than_its_credit() {
     // Taking jobs from the buffer is not finishing them.
     assert_eq!(keys(&mut a), [0, 1, 2]);
     assert_eq!(ack(&l, push(id, 4)), refused(CLIENTS_FULL));
-    drop(s.finished_here(1, Instant::now()));
+    drop(s.finished_here(JobKey(1), Instant::now()));
     assert_eq!(ack(&l, push(id, 5)), ok());
     assert_eq!(ack(&l, push(id, 6)), refused(CLIENTS_FULL));
     assert_eq!(keys(&mut a), [5]);
@@ -282,7 +287,7 @@ fn a_new_leader_hears_which_pushes_are_held_here_or_finishing_through_here() {
     assert_eq!(ack(&l, push(id, 3)), ok());
     assert_eq!(keys(&mut a), [1, 3]);
     assert_eq!(ack(&l, push(id, 2)), ok());
-    let completing = s.finished_here(3, Instant::now());
+    let completing = s.finished_here(JobKey(3), Instant::now());
     let asked = [(1, 501), (2, 502), (3, 503), (4, 504)];
     assert_eq!(held_of(&s, &asked), [1, 2, 3]);
     assert_eq!(held_of(&s, &[(1, 9)]), Vec::<i64>::new());
@@ -295,8 +300,8 @@ fn a_new_leader_hears_which_pushes_are_held_here_or_finishing_through_here() {
     assert_eq!(held_of(&s, &asked), [1]);
     // A job polled through another gateway (gone, say) and being completed
     // through this one counts as held too, until the completion has its answer.
-    let polled = s.finished_here(99, Instant::now());
-    let twice = s.finished_here(99, Instant::now());
+    let polled = s.finished_here(JobKey(99), Instant::now());
+    let twice = s.finished_here(JobKey(99), Instant::now());
     assert_eq!(held_of(&s, &[(99, 1)]), [99]);
     drop(polled);
     assert_eq!(held_of(&s, &[(99, 1)]), [99]);
@@ -320,7 +325,7 @@ fn a_job_in_the_spare_room_is_given_up_to_the_leader_that_asks() {
     assert_eq!(held_of(&s, &[(1, lease(1)), (2, lease(2))]), [1]);
     // The other spare job still goes to the first client that frees credit;
     // the one given up never does.
-    drop(s.finished_here(1, Instant::now()));
+    drop(s.finished_here(JobKey(1), Instant::now()));
     assert_eq!(keys(&mut a), [3]);
 }
 
@@ -343,7 +348,7 @@ fn jobs_a_joining_client_holds_already_count_against_its_credit() {
     // job 3 (past its deadline) and job 9 (not its own).
     let later = epoch_ms() + 60_000;
     let declared = [(1, later), (2, later), (3, epoch_ms() - 1), (9, later)];
-    let mut back = s.join_holding(t(), None, &declared);
+    let mut back = s.join_holding(t(), None, &jobs_held(&declared));
     assert_eq!(back.stream_id(), id);
     assert_eq!(s.inflight().0, 3, "jobs 1, 2 and 9");
     // Two of its four are taken: two more pushes fit.
@@ -351,17 +356,17 @@ fn jobs_a_joining_client_holds_already_count_against_its_credit() {
     assert_eq!(ack(&l, push(id, 5)), ok());
     assert_eq!(ack(&l, push(id, 6)), refused(CLIENTS_FULL));
     // A declared job finished through here frees its room ...
-    drop(s.finished_here(2, Instant::now()));
+    drop(s.finished_here(JobKey(2), Instant::now()));
     assert_eq!(ack(&l, push(id, 7)), ok());
     // ... as does the end of job 1's activation, now counted for this client.
-    s.finished(1, lease(1));
+    s.finished(JobKey(1), lease(1));
     assert_eq!(ack(&l, push(id, 8)), ok());
     assert_eq!(ack(&l, push(id, 10)), refused(CLIENTS_FULL));
     assert_eq!(keys(&mut back), [4, 5, 7, 8]);
     assert!(keys(&mut other).is_empty());
     // A broker asking about a job a client declared hears that it is held here,
     // whatever the lease (the client cannot know it).
-    let mut again = s.join_holding(props("u", &[], &[]), None, &[(20, later)]);
+    let mut again = s.join_holding(props("u", &[], &[]), None, &jobs_held(&[(20, later)]));
     assert_eq!(held_of(&s, &[(20, 77), (21, 78)]), [20]);
     assert!(keys(&mut again).is_empty());
 
@@ -369,7 +374,7 @@ fn jobs_a_joining_client_holds_already_count_against_its_credit() {
     let s = registry(2);
     let (l, _rx) = s.attach_link(1, hello());
     let soon = epoch_ms() + 1_000;
-    let c = s.join_holding(t(), None, &[(1, soon), (2, later), (3, later)]);
+    let c = s.join_holding(t(), None, &jobs_held(&[(1, soon), (2, later), (3, later)]));
     assert_eq!(s.inflight().0, 2);
     assert_eq!(ack(&l, push(c.stream_id(), 4)), refused(CLIENTS_FULL));
     s.sweep(Instant::now() + Duration::from_secs(2));
@@ -447,17 +452,17 @@ fn a_job_finished_through_this_gateway_or_any_other_frees_one_credit() {
     // The worker has them.
     assert_eq!(keys(&mut a), [1, 2]);
     // JobFinished: only for the activation held, and only once.
-    s.finished(1, lease(1) + 1);
-    s.finished(99, 1);
+    s.finished(JobKey(1), lease(1) + 1);
+    s.finished(JobKey(99), 1);
     assert_eq!(ack(&l, push(id, 3)), refused(CLIENTS_FULL));
-    s.finished(1, lease(1));
+    s.finished(JobKey(1), lease(1));
     assert_eq!(ack(&l, push(id, 3)), ok());
     assert_eq!(keys(&mut a), [3]);
-    s.finished(1, lease(1));
+    s.finished(JobKey(1), lease(1));
     assert_eq!(ack(&l, push(id, 4)), refused(CLIENTS_FULL));
     // Completed through this gateway.
-    drop(s.finished_here(2, Instant::now()));
-    drop(s.finished_here(2, Instant::now()));
+    drop(s.finished_here(JobKey(2), Instant::now()));
+    drop(s.finished_here(JobKey(2), Instant::now()));
     assert_eq!(ack(&l, push(id, 4)), ok());
     assert_eq!(ack(&l, push(id, 5)), refused(CLIENTS_FULL));
     assert_eq!(s.inflight().0, 2);
@@ -473,10 +478,10 @@ async fn a_finish_whose_request_began_before_the_hand_off_frees_nothing() {
     // Failed with retries left, and pushed again before the FailJob reply.
     assert_eq!(ack(&l, push(a.stream_id(), 1)), ok());
     assert_eq!(keys(&mut a), [1]);
-    drop(s.finished_here(1, since));
-    s.timeout_updated(1, 60_000, since);
+    drop(s.finished_here(JobKey(1), since));
+    s.timeout_updated(JobKey(1), 60_000, since);
     assert_eq!(ack(&l, push(a.stream_id(), 2)), refused(CLIENTS_FULL));
-    drop(s.finished_here(1, Instant::now()));
+    drop(s.finished_here(JobKey(1), Instant::now()));
     assert_eq!(ack(&l, push(a.stream_id(), 2)), ok());
 }
 
@@ -507,7 +512,7 @@ async fn a_passed_deadline_frees_one_credit_and_update_timeout_moves_it() {
 
     // At 500 ms the timeout is set to 2 s from then.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    s.timeout_updated(2, 2000, Instant::now());
+    s.timeout_updated(JobKey(2), 2000, Instant::now());
     tokio::time::sleep(Duration::from_millis(1000)).await;
     assert_eq!(ack(&l, push(id, 3)), refused(CLIENTS_FULL));
     tokio::time::sleep(Duration::from_millis(1200)).await;
@@ -515,7 +520,7 @@ async fn a_passed_deadline_frees_one_credit_and_update_timeout_moves_it() {
     assert_eq!(keys(&mut a), [3]);
 
     // A push without a deadline is held for the stream's activation timeout.
-    drop(s.finished_here(3, Instant::now()));
+    drop(s.finished_here(JobKey(3), Instant::now()));
     assert_eq!(ack(&l, push(id, 4)), ok());
     assert_eq!(keys(&mut a), [4]);
     tokio::time::sleep(Duration::from_millis(900)).await;
@@ -549,7 +554,7 @@ fn the_gateway_refuses_past_its_jobs_bound() {
     got.sort();
     assert_eq!(got, [(a.stream_id(), 0, 2), (b.stream_id(), 0, 1)]);
     // One released: one more fits, and both streams may have it.
-    drop(s.finished_here(2, Instant::now()));
+    drop(s.finished_here(JobKey(2), Instant::now()));
     s.flush();
     let mut got = reports(&mut rx);
     got.sort();
@@ -583,7 +588,7 @@ fn the_gateway_refuses_past_its_bytes_bound() {
     assert_eq!(reports(&mut rx), [(id, 0, 2)]);
     assert_eq!(ack(&l, sized(3, 30, 10)), ok());
     assert_eq!(s.inflight(), (2, 100));
-    s.finished(1, lease(1));
+    s.finished(JobKey(1), lease(1));
     assert_eq!(s.inflight(), (1, 40));
     s.flush();
     assert_eq!(reports(&mut rx), [(id, 30, 3)]);
@@ -720,7 +725,7 @@ fn brokers_with_jobs_they_had_no_credit_for_take_the_streams_free_credit() {
     s.flush();
     assert!(drain(&mut rx2).is_empty());
     for k in 0..6 {
-        drop(s.finished_here(k, Instant::now()));
+        drop(s.finished_here(JobKey(k), Instant::now()));
     }
     s.flush();
     assert_eq!(reports(&mut rx1), [(id, 6, 30)]);
@@ -815,7 +820,7 @@ fn pushes_alone_send_no_report_and_a_release_sends_one_per_link() {
     // has no credit left (16 told, 20 received), so it hears of its new share
     // of 10; broker 2's share shrank from 16.
     for k in 0..8 {
-        drop(s.finished_here(k, Instant::now()));
+        drop(s.finished_here(JobKey(k), Instant::now()));
     }
     s.flush();
     assert_eq!(reports(&mut rx1), [(id, 10, 20)]);
@@ -848,7 +853,7 @@ fn credit_that_grew_is_reported_once_the_brokers_view_falls_to_half_of_it() {
     assert_eq!(keys(&mut a).len(), 20);
     // Three come back: the broker thinks it may push 12 more, of 15.
     for k in 0..3 {
-        drop(s.finished_here(k, Instant::now()));
+        drop(s.finished_here(JobKey(k), Instant::now()));
     }
     s.flush();
     assert!(drain(&mut rx1).is_empty());
@@ -902,7 +907,7 @@ async fn the_flusher_coalesces_releases_and_follows_leadership() {
     assert!(drain(&mut rx1).is_empty());
     assert!(drain(&mut rx2).is_empty());
     for k in 0..4 {
-        s.finished(k, lease(k));
+        s.finished(JobKey(k), lease(k));
     }
     tokio::time::sleep(Duration::from_millis(10)).await;
     assert_eq!(reports(&mut rx1), [(id, 8, 20)]);
@@ -930,7 +935,7 @@ fn a_reconnected_link_hears_every_report_again_with_its_pushes_counted_afresh() 
     assert_eq!(keys(&mut a), [0, 1, 2]);
     // Refused pushes count as received too.
     assert_eq!(ack(&l1, push(77, 9)), refused(UNKNOWN_STREAM));
-    drop(s.finished_here(0, Instant::now()));
+    drop(s.finished_here(JobKey(0), Instant::now()));
     // Broker 1 has jobs waiting for credit: it hears of every credit that comes back.
     s.jobs_available(1, "t", DEFAULT_TENANT);
     s.flush();
@@ -946,7 +951,7 @@ fn a_reconnected_link_hears_every_report_again_with_its_pushes_counted_afresh() 
     }
     assert_eq!(ack(&l1, push(id, 5)), ok());
     assert_eq!(keys(&mut a), [5]);
-    drop(s.finished_here(1, Instant::now()));
+    drop(s.finished_here(JobKey(1), Instant::now()));
     s.flush();
     assert_eq!(reports(&mut rx1), [(id, 6, 1)]);
 }
@@ -961,8 +966,8 @@ fn a_client_whose_buffer_holds_released_jobs_reports_again_when_it_takes_one() {
     assert_eq!(ack(&l, push(id, 2)), ok());
     // Canceled while still buffered (the client's window is full): the credit is
     // back but the buffer has no room.
-    s.finished(1, lease(1));
-    s.finished(2, lease(2));
+    s.finished(JobKey(1), lease(1));
+    s.finished(JobKey(2), lease(2));
     drain(&mut rx);
     s.flush();
     assert_eq!(reports(&mut rx), [(id, 0, 2)]);
@@ -991,7 +996,7 @@ fn a_buffered_job_whose_activation_ended_never_reaches_its_client() {
     again.lease = lease(1) + 1;
     again.push_id += 1;
     assert_eq!(ack(&l, again), ok());
-    s.finished(2, lease(2));
+    s.finished(JobKey(2), lease(2));
     // Each job once, under the activation that is current; nothing run twice.
     assert_eq!(keys(&mut a), [3, 1]);
     assert_eq!(s.inflight().0, 2);
@@ -1037,7 +1042,7 @@ fn a_leaving_clients_buffered_jobs_go_to_the_next_client_with_their_credit() {
     ));
     // The moved jobs count against b now.
     assert_eq!(ack(&l1, push(id, 4)), refused(CLIENTS_FULL));
-    s.finished(0, lease(0));
+    s.finished(JobKey(0), lease(0));
     assert_eq!(ack(&l1, push(id, 4)), ok());
 }
 
@@ -1078,10 +1083,10 @@ fn spare_jobs_wait_for_the_first_client_that_frees_credit_never_exceeding_it() {
     assert_eq!(keys(&mut b), [2, 4]);
     assert_eq!(s.inflight().0, 6);
     // b finishes one: the oldest spare job goes to b at once, not to a.
-    drop(s.finished_here(4, Instant::now()));
+    drop(s.finished_here(JobKey(4), Instant::now()));
     assert_eq!(keys(&mut b), [5]);
     assert!(keys(&mut a).is_empty());
-    drop(s.finished_here(1, Instant::now()));
+    drop(s.finished_here(JobKey(1), Instant::now()));
     assert_eq!(keys(&mut a), [6]);
     // The spare room is empty again and reported as free.
     s.flush();
@@ -1112,7 +1117,7 @@ fn spare_jobs_that_wait_too_long_go_back_and_the_spare_room_pauses() {
     assert_eq!(reports(&mut rx).last(), Some(&(id, 0, 3)));
     assert_eq!(ack(&l, push(id, 4)), refused(CLIENTS_FULL));
     // It frees its credit: room for it, and the spare room again.
-    drop(s.finished_here(1, Instant::now()));
+    drop(s.finished_here(JobKey(1), Instant::now()));
     s.flush();
     assert_eq!(reports(&mut rx).last(), Some(&(id, 2, 4)));
 }
@@ -1141,7 +1146,7 @@ fn pushes_beyond_the_reported_spare_room_are_taken_up_to_as_much_again() {
     let (s, l, _rx, mut a) = one_full_client_and_two_spare_jobs();
     let id = a.stream_id();
     assert_eq!(ack(&l, push(id, 4)), refused(CLIENTS_FULL));
-    drop(s.finished_here(1, Instant::now()));
+    drop(s.finished_here(JobKey(1), Instant::now()));
     assert_eq!(keys(&mut a), [2]);
     assert_eq!(ack(&l, push(id, 4)), ok());
     assert_eq!(ack(&l, push(id, 5)), refused(CLIENTS_FULL));
@@ -1151,9 +1156,9 @@ fn pushes_beyond_the_reported_spare_room_are_taken_up_to_as_much_again() {
 fn a_spare_job_whose_activation_ended_is_never_handed_out() {
     let (s, _l, _rx, mut a) = one_full_client_and_two_spare_jobs();
     // Job 2 timed out at the broker (or was canceled) while it waited.
-    s.finished(2, lease(2));
+    s.finished(JobKey(2), lease(2));
     assert_eq!(s.inflight().0, 2);
-    drop(s.finished_here(1, Instant::now()));
+    drop(s.finished_here(JobKey(1), Instant::now()));
     assert_eq!(keys(&mut a), [3]);
     assert_eq!(s.inflight().0, 1);
 }
@@ -1164,10 +1169,10 @@ async fn a_spare_job_past_half_its_timeout_goes_back_to_its_broker() {
     let (s, _l, mut rx, mut a) = one_full_client_and_two_spare_jobs();
     drain(&mut rx);
     tokio::time::advance(Duration::from_millis(400)).await;
-    drop(s.finished_here(1, Instant::now()));
+    drop(s.finished_here(JobKey(1), Instant::now()));
     assert_eq!(keys(&mut a), [2]);
     tokio::time::advance(Duration::from_millis(200)).await;
-    drop(s.finished_here(2, Instant::now()));
+    drop(s.finished_here(JobKey(2), Instant::now()));
     // Job 3 has 400 ms of its 1 s left: yielded, not handed out.
     assert!(keys(&mut a).is_empty());
     let yielded = yielded_keys(&mut rx);
@@ -1206,7 +1211,7 @@ fn a_leaving_clients_buffered_jobs_wait_in_the_spare_room_for_the_others() {
         .iter()
         .all(|k| !matches!(k, Kind::YieldJob(_))));
     assert_eq!(keys(&mut b), [2]);
-    drop(s.finished_here(2, Instant::now()));
+    drop(s.finished_here(JobKey(2), Instant::now()));
     assert_eq!(keys(&mut b), [1]);
 }
 
@@ -1258,7 +1263,7 @@ fn jobs_the_remaining_clients_have_no_credit_for_are_yielded() {
     }
     assert_eq!(keys(&mut b), [2]);
     // b stays in the rotation alone, with its credit.
-    s.finished(2, lease(2));
+    s.finished(JobKey(2), lease(2));
     assert_eq!(ack(&l1, push(id, 3)), ok());
     assert_eq!(keys(&mut b), [3]);
 }
@@ -1278,7 +1283,7 @@ fn jobs_of_a_client_that_left_count_against_the_gateway_until_they_finish() {
     assert_eq!(keys(&mut a), [1]);
     drop(a);
     assert_eq!(s.inflight(), (1, 2));
-    s.finished(1, lease(1));
+    s.finished(JobKey(1), lease(1));
     assert_eq!(s.inflight(), (0, 0));
 }
 
@@ -1294,9 +1299,9 @@ fn a_job_pushed_again_replaces_its_earlier_activation() {
     assert_eq!(ack(&l1, again), ok());
     assert_eq!(s.inflight().0, 1);
     // The earlier activation's end is stale; the current one's is not.
-    s.finished(1, lease(1));
+    s.finished(JobKey(1), lease(1));
     assert_eq!(s.inflight().0, 1);
-    s.finished(1, 9000);
+    s.finished(JobKey(1), 9000);
     assert_eq!(s.inflight().0, 0);
 }
 
