@@ -26,9 +26,12 @@ pub enum GatewayError {
     /// The configuration names no broker to learn the cluster from.
     #[error("no broker address configured")]
     NoBrokers,
-    /// Certificates, keys, tokens or OAuth settings that cannot be used.
-    #[error("security configuration: {0}")]
-    Security(String),
+    /// Certificates or keys that cannot be used.
+    #[error("TLS: {0}")]
+    Tls(#[from] courier_proto::tls::TlsError),
+    /// A token file or OAuth keys that cannot be used.
+    #[error("authentication: {0}")]
+    Auth(#[from] crate::auth::AuthConfigError),
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Server(#[from] tonic::transport::Error),
@@ -42,7 +45,8 @@ impl From<GatewayError> for tonic::Status {
             GatewayError::Broker(b) => b.into(),
             e @ (GatewayError::BadBrokerAddress { .. }
             | GatewayError::NoBrokers
-            | GatewayError::Security(_)
+            | GatewayError::Tls(_)
+            | GatewayError::Auth(_)
             | GatewayError::Server(_)) => tonic::Status::internal(e.to_string()),
         }
     }

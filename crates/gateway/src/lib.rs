@@ -127,7 +127,7 @@ async fn authenticator(
 ) -> Result<Arc<auth::Authenticator>, GatewayError> {
     let mut a = auth::Authenticator::default();
     if let Some(path) = &config.tokens {
-        let tokens = Arc::new(auth::tokens::TokenFile::load(path).map_err(GatewayError::Security)?);
+        let tokens = Arc::new(auth::tokens::TokenFile::load(path)?);
         tasks.spawn(
             tokens
                 .clone()
@@ -140,7 +140,7 @@ async fn authenticator(
         match (&settings.keys, jwt.load().await) {
             (_, Ok(())) => {}
             // A key file is ours to get right: a bad one stops the start.
-            (auth::jwt::KeySource::File(_), Err(e)) => return Err(GatewayError::Security(e)),
+            (auth::jwt::KeySource::File(_), Err(e)) => return Err(e.into()),
             // A provider may be down for now; tokens are refused until it answers.
             (auth::jwt::KeySource::Url(_), Err(e)) => {
                 tracing::warn!(error = %e, "cannot fetch the OAuth signing keys yet; bearer JWTs are refused until they load");
@@ -220,16 +220,12 @@ pub async fn serve(
     });
     let client_tls = match &config.tls {
         Some(t) => {
-            let cert = courier_proto::tls::ReloadingCert::load(&t.cert, &t.key)
-                .map_err(|e| GatewayError::Security(e.to_string()))?;
+            let cert = courier_proto::tls::ReloadingCert::load(&t.cert, &t.key)?;
             tasks.spawn(
                 cert.clone()
                     .watch(courier_proto::tls::RELOAD_EVERY, stop.clone()),
             );
-            Some(
-                courier_proto::tls::server_config(cert, None)
-                    .map_err(|e| GatewayError::Security(e.to_string()))?,
-            )
+            Some(courier_proto::tls::server_config(cert, None)?)
         }
         None => None,
     };

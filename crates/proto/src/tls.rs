@@ -156,7 +156,7 @@ impl ReloadingCert {
     /// Looks at the files every `every` until `shutdown`.
     pub async fn watch(self: Arc<Self>, every: Duration, shutdown: CancellationToken) {
         keep_reloading("TLS certificate", every, shutdown, || {
-            self.reload_if_changed().map_err(|e| e.to_string())
+            self.reload_if_changed()
         })
         .await
     }
@@ -165,11 +165,11 @@ impl ReloadingCert {
 /// Calls `reload` every `every` until `shutdown`: `Ok(true)` when it loaded
 /// something new (logged), an error when what changed does not load (logged
 /// once per distinct error; the previous `what` stays in force).
-pub async fn keep_reloading(
+pub async fn keep_reloading<E: std::fmt::Display>(
     what: &'static str,
     every: Duration,
     shutdown: CancellationToken,
-    mut reload: impl FnMut() -> Result<bool, String>,
+    mut reload: impl FnMut() -> Result<bool, E>,
 ) {
     let mut reported: Option<String> = None;
     loop {
@@ -177,7 +177,7 @@ pub async fn keep_reloading(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
         }
-        match reload() {
+        match reload().map_err(|e| e.to_string()) {
             Ok(true) => {
                 reported = None;
                 tracing::info!("{what} reloaded");

@@ -3,7 +3,7 @@
 //! then `exp` and `nbf` (with [`LEEWAY_SECS`] of leeway), the issuer and the
 //! audience. The caller's tenants come from a claim, when one is named.
 
-use super::Caller;
+use super::{AuthConfigError, Caller};
 use courier_proto::sync::{lock, read_lock, write_lock};
 use courier_proto::validate;
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, JwkSet};
@@ -168,17 +168,18 @@ fn algorithms_of(jwk: &Jwk) -> Vec<Algorithm> {
     }
 }
 
-fn parse_keys(text: &str) -> Result<Vec<Key>, String> {
-    let set: JwkSet =
-        serde_json::from_str(text).map_err(|e| format!("not a JWKS document: {e}"))?;
+fn parse_keys(text: &str, origin: &str) -> Result<Vec<Key>, AuthConfigError> {
+    let set: JwkSet = serde_json::from_str(text)
+        .map_err(|e| AuthConfigError::invalid(origin, format!("not a JWKS document: {e}")))?;
     let mut keys = Vec::new();
     for jwk in &set.keys {
         let algorithms = algorithms_of(jwk);
         if algorithms.is_empty() {
             continue;
         }
-        let key =
-            DecodingKey::from_jwk(jwk).map_err(|e| format!("key {:?}: {e}", jwk.common.key_id))?;
+        let key = DecodingKey::from_jwk(jwk).map_err(|e| {
+            AuthConfigError::invalid(origin, format!("key {:?}: {e}", jwk.common.key_id))
+        })?;
         keys.push(Key {
             kid: jwk.common.key_id.clone(),
             key,
@@ -186,7 +187,10 @@ fn parse_keys(text: &str) -> Result<Vec<Key>, String> {
         });
     }
     if keys.is_empty() {
-        return Err("the key set holds no RSA, EC or Ed25519 key".to_string());
+        return Err(AuthConfigError::invalid(
+            origin,
+            "the key set holds no RSA, EC or Ed25519 key",
+        ));
     }
     Ok(keys)
 }
@@ -214,9 +218,9 @@ impl JwtVerifier {
     }
 
     /// A verifier with the keys of a JWKS document (tests, and files read at start).
-    pub fn with_jwks(settings: JwtSettings, jwks: &str) -> Result<JwtVerifier, String> {
+    pub fn with_jwks(settings: JwtSettings, jwks: &str) -> Result<JwtVerifier, AuthConfigError> {
         let v = JwtVerifier::new(settings);
-        v.set_keys(parse_keys(jwks)?, None);
+        v.set_keys(parse_keys(jwks, "JWKS")?, None);
         Ok(v)
     }
 
@@ -234,19 +238,22 @@ impl JwtVerifier {
     }
 
     /// Loads the keys once from their source.
-    pub async fn load(&self) -> Result<(), String> {
+    pub async fn load(&self) -> Result<(), AuthConfigError> {
         match &self.settings.keys {
             KeySource::File(path) => {
                 let modified = std::fs::metadata(path).and_then(|m| m.modified()).ok();
-                let text = tokio::fs::read_to_string(path)
-                    .await
-                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-                let keys = parse_keys(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+                let text = tokio::fs::read_to_string(path).await.map_err(|source| {
+                    AuthConfigError::Read {
+                        path: path.clone(),
+                        source,
+                    }
+                })?;
+                let keys = parse_keys(&text, &path.display().to_string())?;
                 self.set_keys(keys, modified);
             }
             KeySource::Url(url) => {
                 let text = fetch(url).await?;
-                let keys = parse_keys(&text).map_err(|e| format!("{url}: {e}"))?;
+                let keys = parse_keys(&text, url)?;
                 self.set_keys(keys, None);
             }
         }
@@ -409,20 +416,24 @@ fn tenants_from(value: Option<&serde_json::Value>, claim: &str) -> Result<Vec<St
 }
 
 /// GETs a key set.
-async fn fetch(url: &str) -> Result<String, String> {
+async fn fetch(url: &str) -> Result<String, AuthConfigError> {
+    let failed = |reason: String| AuthConfigError::Fetch {
+        url: url.to_string(),
+        reason,
+    };
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .build()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| failed(e.to_string()))?;
     let response = client
         .get(url)
         .send()
         .await
-        .map_err(|e| format!("{url}: {e}"))?;
+        .map_err(|e| failed(e.to_string()))?;
     if !response.status().is_success() {
-        return Err(format!("{url}: HTTP {}", response.status()));
+        return Err(failed(format!("HTTP {}", response.status())));
     }
-    response.text().await.map_err(|e| format!("{url}: {e}"))
+    response.text().await.map_err(|e| failed(e.to_string()))
 }
 
 #[cfg(test)]
@@ -592,7 +603,7 @@ mod tests {
         assert_eq!(v.verify(&forged), Err(JwtError::Signature));
         // New keys forget every token checked with the old ones.
         assert!(!v.verified_tokens().is_empty());
-        v.set_keys(parse_keys(JWKS).unwrap(), None);
+        v.set_keys(parse_keys(JWKS, "t").unwrap(), None);
         assert!(v.verified_tokens().is_empty());
     }
 
@@ -684,8 +695,16 @@ mod tests {
 
     #[test]
     fn key_sets_without_usable_keys_are_refused() {
-        assert!(parse_keys("{}").err().unwrap().contains("JWKS"));
+        assert!(parse_keys("{}", "t")
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("JWKS"));
         let secret = r#"{"keys": [{"kty": "oct", "k": "c2VjcmV0"}]}"#;
-        assert!(parse_keys(secret).err().unwrap().contains("no RSA"));
+        assert!(parse_keys(secret, "t")
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("no RSA"));
     }
 }

@@ -59,6 +59,29 @@ impl Caller {
     }
 }
 
+/// Why a token file or the OAuth signing keys could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthConfigError {
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{origin}: {reason}")]
+    Invalid { origin: String, reason: String },
+    #[error("cannot fetch {url}: {reason}")]
+    Fetch { url: String, reason: String },
+}
+
+impl AuthConfigError {
+    fn invalid(origin: impl Into<String>, reason: impl ToString) -> AuthConfigError {
+        AuthConfigError::Invalid {
+            origin: origin.into(),
+            reason: reason.to_string(),
+        }
+    }
+}
+
 /// Why a request was not authenticated. Each is UNAUTHENTICATED to the client.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum AuthError {

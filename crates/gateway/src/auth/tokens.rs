@@ -5,7 +5,7 @@
 //! The file is read again when it changes; one that does not parse leaves the
 //! previous tokens in force.
 
-use super::{sha256, Caller};
+use super::{sha256, AuthConfigError, Caller};
 use courier_proto::sync::{read_lock, write_lock};
 use courier_proto::validate;
 use serde::Deserialize;
@@ -46,7 +46,7 @@ pub struct TokenFile {
 
 impl TokenFile {
     /// Tokens from the JSON text of a token file; `origin` names it in errors.
-    pub fn from_json(text: &str, origin: &str) -> Result<TokenFile, String> {
+    pub fn from_json(text: &str, origin: &str) -> Result<TokenFile, AuthConfigError> {
         Ok(TokenFile {
             path: None,
             state: RwLock::new((parse(text, origin)?, None)),
@@ -54,10 +54,12 @@ impl TokenFile {
     }
 
     /// Tokens from the file at `path`.
-    pub fn load(path: &Path) -> Result<TokenFile, String> {
+    pub fn load(path: &Path) -> Result<TokenFile, AuthConfigError> {
         let modified = modified(path);
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(path).map_err(|source| AuthConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Ok(TokenFile {
             path: Some(path.to_path_buf()),
             state: RwLock::new((parse(&text, &path.display().to_string())?, modified)),
@@ -78,7 +80,7 @@ impl TokenFile {
     }
 
     /// Reads the file again if it changed: `Ok(true)` when new tokens are in force.
-    pub fn reload_if_changed(&self) -> Result<bool, String> {
+    pub fn reload_if_changed(&self) -> Result<bool, AuthConfigError> {
         let Some(path) = &self.path else {
             return Ok(false);
         };
@@ -86,8 +88,10 @@ impl TokenFile {
         if read_lock(&self.state).1 == now {
             return Ok(false);
         }
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(path).map_err(|source| AuthConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
         let known = parse(&text, &path.display().to_string())?;
         *write_lock(&self.state) = (known, now);
         Ok(true)
@@ -106,32 +110,33 @@ fn modified(path: &Path) -> Option<SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
-fn parse(text: &str, origin: &str) -> Result<Vec<Known>, String> {
-    let file: FileFormat =
-        serde_json::from_str(text).map_err(|e| format!("{origin}: not a token file: {e}"))?;
+fn parse(text: &str, origin: &str) -> Result<Vec<Known>, AuthConfigError> {
+    let file: FileFormat = serde_json::from_str(text)
+        .map_err(|e| AuthConfigError::invalid(origin, format!("not a token file: {e}")))?;
     let mut known = Vec::with_capacity(file.tokens.len());
     for (i, t) in file.tokens.into_iter().enumerate() {
         let at = format!("{origin}: tokens[{i}]");
+        let bad = |reason: String| AuthConfigError::invalid(at.clone(), reason);
         if t.name.trim().is_empty() {
-            return Err(format!("{at}: name must not be empty"));
+            return Err(bad("name must not be empty".into()));
         }
         if t.token.chars().count() < MIN_TOKEN_CHARS || t.token.contains(char::is_whitespace) {
-            return Err(format!(
-                "{at} ({}): a token must be at least {MIN_TOKEN_CHARS} characters without spaces",
+            return Err(bad(format!(
+                "({}) a token must be at least {MIN_TOKEN_CHARS} characters without spaces",
                 t.name
-            ));
+            )));
         }
         let mut tenants = Vec::with_capacity(t.tenants.len());
         for tenant in &t.tenants {
             if tenant.is_empty() {
-                return Err(format!("{at} ({}): a tenant must not be empty", t.name));
+                return Err(bad(format!("({}) a tenant must not be empty", t.name)));
             }
             tenants
-                .push(validate::tenant_id(tenant).map_err(|e| format!("{at} ({}): {e}", t.name))?);
+                .push(validate::tenant_id(tenant).map_err(|e| bad(format!("({}) {e}", t.name)))?);
         }
         let hash = sha256(t.token.as_bytes());
         if known.iter().any(|k: &Known| k.hash == hash) {
-            return Err(format!("{at} ({}): the same token is listed twice", t.name));
+            return Err(bad(format!("({}) the same token is listed twice", t.name)));
         }
         known.push(Known {
             hash,
@@ -194,7 +199,10 @@ mod tests {
             ),
         ];
         for (text, expected) in cases {
-            let e = TokenFile::from_json(text, "f.json").err().unwrap();
+            let e = TokenFile::from_json(text, "f.json")
+                .err()
+                .unwrap()
+                .to_string();
             assert!(
                 e.contains(expected) && e.starts_with("f.json"),
                 "{text}: {e}"
