@@ -130,6 +130,16 @@ mod tests {
     }
 
     #[test]
+    fn an_error_from_the_wrong_side_of_tls_says_so() {
+        let at_tls_port = "INTERNAL: h2 protocol error: http2 error: connection error detected: frame with invalid size";
+        assert!(tls_hint(at_tls_port).is_some_and(|h| h.contains("may speak TLS")));
+        let at_plain_port =
+            "UNAVAILABLE: tcp connect error: received corrupt message of type InvalidContentType";
+        assert!(tls_hint(at_plain_port).is_some_and(|h| h.contains("may not speak TLS")));
+        assert_eq!(tls_hint("UNAVAILABLE: connection refused"), None);
+    }
+
+    #[test]
     fn status_errors_read_like_grpc() {
         let e = ClientError::from(tonic::Status::not_found("job 2251799813685249 not found"));
         assert_eq!(e.to_string(), "NOT_FOUND: job 2251799813685249 not found");
