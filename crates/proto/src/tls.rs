@@ -106,10 +106,12 @@ pub fn certified_key(
         })
 }
 
-/// When a file was last written, and how long it is: a change in either is a new file.
-type Stamp = Option<(SystemTime, u64)>;
+/// When a file was last written, and how long it is: a change in either is a new
+/// file. How every reloaded file (certificates, token files, key sets) is watched.
+pub type Stamp = Option<(SystemTime, u64)>;
 
-fn stamp(path: &Path) -> Stamp {
+/// The [`Stamp`] of the file at `path` now (`None` if it cannot be read).
+pub fn stamp(path: &Path) -> Stamp {
     let m = std::fs::metadata(path).ok()?;
     Some((m.modified().ok()?, m.len()))
 }

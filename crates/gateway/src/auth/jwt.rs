@@ -5,13 +5,14 @@
 
 use super::{AuthConfigError, Caller};
 use courier_proto::sync::{lock, read_lock, write_lock};
+use courier_proto::tls::{stamp, Stamp};
 use courier_proto::validate;
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, JwkSet};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::RwLock;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -123,7 +124,7 @@ struct Key {
 
 struct Keys {
     keys: Vec<Key>,
-    loaded: Option<SystemTime>,
+    loaded: Stamp,
 }
 
 /// Checks JWTs against the provider's keys, which [`JwtVerifier::run`] keeps fresh.
@@ -224,7 +225,7 @@ impl JwtVerifier {
         Ok(v)
     }
 
-    fn set_keys(&self, keys: Vec<Key>, modified: Option<SystemTime>) {
+    fn set_keys(&self, keys: Vec<Key>, modified: Stamp) {
         *write_lock(&self.keys) = Keys {
             keys,
             loaded: modified,
@@ -241,7 +242,7 @@ impl JwtVerifier {
     pub async fn load(&self) -> Result<(), AuthConfigError> {
         match &self.settings.keys {
             KeySource::File(path) => {
-                let modified = std::fs::metadata(path).and_then(|m| m.modified()).ok();
+                let modified = stamp(path);
                 let text = tokio::fs::read_to_string(path).await.map_err(|source| {
                     AuthConfigError::Read {
                         path: path.clone(),
@@ -284,7 +285,7 @@ impl JwtVerifier {
                 }
             }
             if let KeySource::File(path) = &self.settings.keys {
-                let modified = std::fs::metadata(path).and_then(|m| m.modified()).ok();
+                let modified = stamp(path);
                 if modified == read_lock(&self.keys).loaded {
                     continue;
                 }

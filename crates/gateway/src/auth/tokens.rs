@@ -7,11 +7,12 @@
 
 use super::{sha256, AuthConfigError, Caller};
 use courier_proto::sync::{read_lock, write_lock};
+use courier_proto::tls::{stamp, Stamp};
 use courier_proto::validate;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::sync::RwLock;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 use subtle::ConstantTimeEq;
 use tokio_util::sync::CancellationToken;
 
@@ -41,7 +42,7 @@ pub const MIN_TOKEN_CHARS: usize = 16;
 /// The static tokens in force.
 pub struct TokenFile {
     path: Option<PathBuf>,
-    state: RwLock<(Vec<Known>, Option<SystemTime>)>,
+    state: RwLock<(Vec<Known>, Stamp)>,
 }
 
 impl TokenFile {
@@ -55,7 +56,7 @@ impl TokenFile {
 
     /// Tokens from the file at `path`.
     pub fn load(path: &Path) -> Result<TokenFile, AuthConfigError> {
-        let modified = modified(path);
+        let modified = stamp(path);
         let text = std::fs::read_to_string(path).map_err(|source| AuthConfigError::Read {
             path: path.to_path_buf(),
             source,
@@ -84,7 +85,7 @@ impl TokenFile {
         let Some(path) = &self.path else {
             return Ok(false);
         };
-        let now = modified(path);
+        let now = stamp(path);
         if read_lock(&self.state).1 == now {
             return Ok(false);
         }
@@ -104,10 +105,6 @@ impl TokenFile {
         })
         .await
     }
-}
-
-fn modified(path: &Path) -> Option<SystemTime> {
-    std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
 fn parse(text: &str, origin: &str) -> Result<Vec<Known>, AuthConfigError> {
@@ -221,7 +218,7 @@ mod tests {
         // Each write is dated later, so the change shows even where mtimes are coarse.
         let rewrite = |text: &str, secs: u64| {
             std::fs::write(&path, text).unwrap();
-            let later = SystemTime::now() + Duration::from_secs(secs);
+            let later = std::time::SystemTime::now() + Duration::from_secs(secs);
             let file = std::fs::File::options().write(true).open(&path).unwrap();
             file.set_modified(later).unwrap();
         };
