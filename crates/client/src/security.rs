@@ -210,12 +210,13 @@ impl tonic::codegen::Service<http::Request<Body>> for AuthChannel {
     }
 
     fn call(&mut self, mut request: http::Request<Body>) -> Self::Future {
-        // The clone that was polled ready makes the call; a fresh clone stays here.
+        let Some(tokens) = self.tokens.clone() else {
+            return Box::pin(tonic::codegen::Service::call(&mut self.inner, request));
+        };
+        // The clone that was polled ready makes the call, after the token is had; a
+        // fresh clone stays here.
         let fresh = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, fresh);
-        let Some(tokens) = self.tokens.clone() else {
-            return Box::pin(tonic::codegen::Service::call(&mut inner, request));
-        };
         Box::pin(async move {
             match tokens.header().await {
                 Ok(value) => {
