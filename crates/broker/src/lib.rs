@@ -319,15 +319,15 @@ async fn initialize(config: Arc<BrokerConfig>, part: Arc<Partition>, shutdown: C
     }
 }
 
-/// Keeps the leadership gauge of a partition current, and the partition's own
-/// record of since when it leads.
+/// Keeps the leadership gauge of a partition current, and its leader state in
+/// step with Raft's role (see `Partition::sync_leadership`).
 async fn track_leadership(part: Arc<Partition>, shutdown: CancellationToken) {
     // Changes of role or leader only, not every entry.
     let mut m = part.raft.server_metrics();
     let gauge =
         metrics::LEADER.with_label_values(&[&part.node_id.to_string(), &part.id.to_string()]);
     loop {
-        part.note_role();
+        part.sync_leadership();
         gauge.set(i64::from(part.is_leader()));
         tokio::select! {
             _ = shutdown.cancelled() => return,

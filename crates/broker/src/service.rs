@@ -353,18 +353,19 @@ fn on_gateway_message(
         Some(gateway_message::Kind::YieldJob(y)) => {
             // Gateways send yields to every broker: only the partition's leader
             // acts on one.
-            let Some(p) = partitions.get(&y.partition_id).filter(|p| p.is_leader()) else {
+            let queued = partitions
+                .get(&y.partition_id)
+                .is_some_and(|p| p.gateway_yield(JobKey(y.key), y.lease));
+            if !queued {
                 tracing::debug!(
                     partition = y.partition_id,
                     "yield for a partition not led here dropped"
                 );
                 return;
-            };
+            }
             metrics::YIELDS
                 .with_label_values(&[metrics::label::yield_source::GATEWAY])
                 .inc();
-            // Paced like every yield; its deadline is unknown here, so never skipped.
-            p.queue_yield(JobKey(y.key), y.lease, i64::MAX);
         }
         None => tracing::warn!(link = link.id, "empty link message dropped"),
     }

@@ -21,41 +21,67 @@ pub(super) fn then_what(only: Option<NodeId>) -> &'static str {
     }
 }
 
-impl Partition {
-    pub(super) fn gate_lock(&self) -> std::sync::MutexGuard<'_, usize> {
-        lock(&self.gate)
-    }
+/// Counts the entries the proposer has in flight, and closes to new ones while the
+/// leadership is handed over (see [`Partition::hand_off`]). It is the proposer's,
+/// not a leadership's: entries stay in flight across changes of term.
+#[derive(Default)]
+pub(super) struct Gate {
+    /// Entries in flight. Taken to count one in or out and to close or open the
+    /// gate, so that no entry goes in once it is closed.
+    entries: Mutex<usize>,
+    /// Changed only under `entries`.
+    closed: AtomicBool,
+    opened: Notify,
+    /// Told when the last entry in flight is done while the gate is closed.
+    idle: Notify,
+}
 
+impl Gate {
     /// Counts an entry the proposer is about to hand Raft, unless the gate is closed.
-    pub(super) fn enter_gate(&self) -> bool {
-        let mut entries = self.gate_lock();
-        if self.gate_closed.load(Ordering::Relaxed) {
+    pub fn enter(&self) -> bool {
+        let mut entries = lock(&self.entries);
+        if self.closed.load(Ordering::Relaxed) {
             return false;
         }
         *entries += 1;
         true
     }
 
-    /// An entry counted by [`Partition::enter_gate`] is applied or has failed.
-    pub(super) fn leave_gate(&self) {
+    /// An entry counted by [`Gate::enter`] is applied or has failed.
+    pub fn leave(&self) {
         let idle = {
-            let mut entries = self.gate_lock();
+            let mut entries = lock(&self.entries);
             *entries = entries.saturating_sub(1);
-            *entries == 0 && self.gate_closed.load(Ordering::Relaxed)
+            *entries == 0 && self.closed.load(Ordering::Relaxed)
         };
         if idle {
-            self.gate_idle.notify_one();
+            self.idle.notify_one();
         }
     }
 
-    pub(super) fn set_gate(&self, closed: bool) {
-        let _entries = self.gate_lock();
-        self.gate_closed.store(closed, Ordering::Relaxed);
+    pub fn set_closed(&self, closed: bool) {
+        let _entries = lock(&self.entries);
+        self.closed.store(closed, Ordering::Relaxed);
         if !closed {
-            self.gate_opened.notify_one();
+            self.opened.notify_one();
         }
     }
 
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Relaxed)
+    }
+
+    /// Resolves when the gate opens after [`Gate::is_closed`] said it was closed.
+    pub async fn opened(&self) {
+        self.opened.notified().await
+    }
+
+    pub fn in_flight(&self) -> usize {
+        *lock(&self.entries)
+    }
+}
+
+impl Partition {
     /// Hands the leadership of this partition to a follower (Raft's leadership
     /// transfer): before this broker stops, so that the partition is back in
     /// milliseconds instead of after an election timeout, which in openraft 0.9 is
@@ -74,18 +100,16 @@ impl Partition {
     ///
     /// Returns the new leader; `None` when this replica does not lead, has no
     /// follower, none would take over, or none did within [`HAND_OFF_WAIT`] twice.
-    pub async fn hand_off<F, Fut>(&self, ask: F, only: Option<NodeId>) -> Option<NodeId>
+    pub async fn hand_off<F, Fut>(self: &Arc<Self>, ask: F, only: Option<NodeId>) -> Option<NodeId>
     where
         F: Fn(NodeId, u64) -> Fut,
         Fut: std::future::Future<Output = Result<(), String>>,
     {
+        let leader = self.leader()?;
         {
             let m = self.raft.server_metrics();
             let m = m.borrow();
-            if m.state != ServerState::Leader
-                || m.membership_config.membership().voter_ids().count() < 2
-                || self.majority_lost()
-            {
+            if m.membership_config.membership().voter_ids().count() < 2 || leader.majority_lost() {
                 return None;
             }
         }
@@ -95,13 +119,11 @@ impl Partition {
         // refuse the vote it hands over, and the follower standing for election
         // would only unseat it. It leads on until then.
         let lease = Duration::from_millis(self.raft.config().election_timeout_max);
-        let since = *lock(&self.leading_since);
-        if let Some(since) = since {
-            tokio::time::sleep_until(since + lease + LEASE_MARGIN).await;
-        }
-        self.set_gate(true);
+        tokio::time::sleep_until(leader.since + lease + LEASE_MARGIN).await;
+        drop(leader);
+        self.gate.set_closed(true);
         let new_leader = self.hand_off_closed(ask, only).await;
-        self.set_gate(false);
+        self.gate.set_closed(false);
         new_leader
     }
 
@@ -123,7 +145,7 @@ impl Partition {
                 if m.state != ServerState::Leader {
                     return None;
                 }
-                let idle = *self.gate_lock() == 0;
+                let idle = self.gate.in_flight() == 0;
                 let last = m.last_log_index;
                 let up_to_date: Vec<NodeId> = m
                     .replication
@@ -146,7 +168,7 @@ impl Partition {
             // last entry in flight is done: the gate says so.
             tokio::select! {
                 changed = watch.changed() => if changed.is_err() { return None },
-                _ = self.gate_idle.notified() => {}
+                _ = self.gate.idle.notified() => {}
                 _ = tokio::time::sleep_until(until) => {
                     tracing::warn!(
                         "{} within {} ms: {}",

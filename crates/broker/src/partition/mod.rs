@@ -10,6 +10,7 @@
 //!   and back-fills;
 //! - `recovery`: a new leader's reconciliation of its predecessors' pushes, and the
 //!   jobs of a gateway that is gone;
+//! - `leader`: the state and tasks of one term of leadership ([`LeaderState`]);
 //! - `handoff`: leadership handed to an up-to-date follower;
 //! - `timers`: activation deadlines and retry back-offs.
 
@@ -29,20 +30,22 @@ use courier_proto::domain::{
     RequestId,
 };
 use courier_proto::push_refusal::DISOWNED;
-use courier_proto::sync::lock;
+use courier_proto::sync::{lock, read_lock, write_lock};
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::ServerState;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 mod handoff;
+mod leader;
 mod proposer;
 mod push;
 mod recovery;
@@ -50,6 +53,8 @@ mod recovery;
 mod tests;
 mod timers;
 
+use handoff::Gate;
+use leader::*;
 use proposer::*;
 use push::*;
 use recovery::*;
@@ -129,6 +134,7 @@ struct Proposal {
 /// polls answered "claimed" meanwhile may be parked on them.
 struct ActivationClaim<'a> {
     partition: &'a Partition,
+    leader: Arc<LeaderState>,
     job_type: String,
     tenants: Vec<String>,
     max_jobs: u32,
@@ -139,10 +145,10 @@ struct ActivationClaim<'a> {
 impl Drop for ActivationClaim<'_> {
     fn drop(&mut self) {
         let p = self.partition;
-        let mut claims = lock(&p.claims);
+        let mut claims = lock(&self.leader.claims);
         claims.release(&self.job_type, &self.tenants, self.max_jobs, self.request);
         drop(claims);
-        if !p.is_leader() {
+        if !self.leader.current() {
             return;
         }
         let left: Vec<&String> = {
@@ -170,33 +176,12 @@ pub struct Partition {
     proposals: mpsc::Sender<Proposal>,
     registry: Arc<JobStreamRegistry>,
     notices: Notices,
-    /// Jobs this leader pushed, from the moment the push leaves until the end of
-    /// their activation: key -> (link, lease), so that end can free the credit on
-    /// the gateway holding the job. Leader-local.
-    pushed: dashmap::DashMap<JobKey, (u64, u64)>,
-    /// Entries in `pushed`: raised and lowered with each insert and removal, so
-    /// changes at once never leave it at a stale count.
-    pushed_gauge: prometheus::IntGauge,
-    /// Yields waiting for the next paced batch: (key, lease, deadline).
-    yields: Mutex<Vec<(JobKey, u64, i64)>>,
-    yield_wake: Notify,
-    /// Activations proposed and not yet finished (leader-local).
-    claims: Mutex<Claims>,
+    /// The leadership in force, while this replica leads (see [`Partition::leader`]).
+    leader: RwLock<Option<Arc<LeaderState>>>,
     /// See [`crate::config::BrokerConfig::lost_gateway_grace`].
     lost_gateway_grace: Option<Duration>,
-    /// Whether this replica leads without a majority (see [`MAJORITY_LOST_AFTER`]).
-    majority_lost: AtomicBool,
-    /// Entries the proposer has in flight. Taken to count one in or out and to
-    /// close or open the gate, so that no entry goes in once it is closed.
-    gate: Mutex<usize>,
-    /// Closed while the leadership is handed over (see [`Partition::hand_off`]):
-    /// the proposer hands Raft no new entry. Changed only under `gate`.
-    gate_closed: AtomicBool,
-    gate_opened: Notify,
-    /// Told when the last entry in flight is done while the gate is closed.
-    gate_idle: Notify,
-    /// Since when this replica leads (see [`Partition::note_role`]).
-    leading_since: Mutex<Option<tokio::time::Instant>>,
+    /// Counts the entries the proposer has in flight; closed during a hand-off.
+    gate: Gate,
     /// Set once this broker was asked to stop: it takes no partition over then.
     stopping: AtomicBool,
     /// When this replica last heard from a leader or granted a vote (see
@@ -206,11 +191,14 @@ pub struct Partition {
     started: std::time::Instant,
     /// Whether a voter refused this replica's last candidacy for a longer log.
     pub longer_log: Arc<crate::raft::LongerLog>,
+    /// The broker's tasks: the partition's own and its leaderships'.
+    tasks: TaskTracker,
     shutdown: CancellationToken,
 }
 
 impl Partition {
-    /// Starts the proposer and the timers of a partition; both stop on `shutdown`.
+    /// Starts the proposer of a partition; it, and every leadership's tasks, stop on
+    /// `shutdown`.
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         id: PartitionId,
@@ -221,7 +209,7 @@ impl Partition {
         registry: Arc<JobStreamRegistry>,
         lost_gateway_grace: Option<Duration>,
         longer_log: Arc<crate::raft::LongerLog>,
-        tasks: &tokio_util::task::TaskTracker,
+        tasks: &TaskTracker,
         shutdown: CancellationToken,
     ) -> Arc<Partition> {
         let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
@@ -233,30 +221,18 @@ impl Partition {
             proposals: tx,
             registry,
             notices,
-            pushed: dashmap::DashMap::new(),
-            pushed_gauge: metrics::PUSHED_HELD
-                .with_label_values(&[&node_id.to_string(), &id.to_string()]),
-            yields: Mutex::new(Vec::new()),
-            yield_wake: Notify::new(),
-            claims: Mutex::new(Claims::default()),
+            leader: RwLock::new(None),
             lost_gateway_grace,
-            majority_lost: AtomicBool::new(false),
-            gate: Mutex::new(0),
-            gate_closed: AtomicBool::new(false),
-            gate_opened: Notify::new(),
-            gate_idle: Notify::new(),
-            leading_since: Mutex::new(None),
+            gate: Gate::default(),
             stopping: AtomicBool::new(false),
             leader_heard_us: AtomicU64::new(0),
             started: std::time::Instant::now(),
             longer_log,
+            tasks: tasks.clone(),
             shutdown: shutdown.clone(),
         });
         let span = tracing::info_span!("partition", partition = id.0, node = node_id);
-        tasks.spawn(run_proposer(p.clone(), rx, shutdown.clone()).instrument(span.clone()));
-        tasks.spawn(run_yields(p.clone(), shutdown.clone()).instrument(span.clone()));
-        tasks.spawn(watch_majority(p.clone(), shutdown.clone()).instrument(span.clone()));
-        tasks.spawn(run_timers(p.clone(), shutdown).instrument(span));
+        tasks.spawn(run_proposer(p.clone(), rx, shutdown).instrument(span));
         p
     }
 
@@ -276,7 +252,9 @@ impl Partition {
     /// Whether this replica leads but has lost its majority: see
     /// [`MAJORITY_LOST_AFTER`].
     pub fn majority_lost(&self) -> bool {
-        self.majority_lost.load(Ordering::Relaxed)
+        read_lock(&self.leader)
+            .as_ref()
+            .is_some_and(|l| l.majority_lost())
     }
 
     /// This broker was asked to stop: it no longer stands for election when a
@@ -290,32 +268,9 @@ impl Partition {
         self.stopping.load(Ordering::Relaxed)
     }
 
-    /// Keeps track of since when this replica leads, and tells the gateways when it
-    /// begins to; called on every change of role or leader.
-    pub fn note_role(&self) {
-        let leading = self.is_leader();
-        let mut since = lock(&self.leading_since);
-        match (leading, since.is_some()) {
-            (true, false) => {
-                *since = Some(tokio::time::Instant::now());
-                drop(since);
-                self.announce_leadership();
-            }
-            (false, true) => *since = None,
-            _ => {}
-        }
-    }
-
     /// Tells every linked gateway that this replica leads now, and in which term,
     /// so that they route here without waiting for a topology round.
-    fn announce_leadership(&self) {
-        let term = self
-            .raft
-            .server_metrics()
-            .borrow()
-            .vote
-            .leader_id()
-            .get_term();
+    fn announce_leadership(&self, term: u64) {
         tracing::info!(partition = self.id.0, term, "leading: telling the gateways");
         // No link: no gateway to tell (they learn it from their next round).
         let _ = self.notices.send(BrokerMessage {
@@ -329,7 +284,7 @@ impl Partition {
     /// Prepares a client's command with the leader's push decisions and replicates it.
     /// `gateway`, the id of the gateway that sent it, if it said.
     pub async fn submit(
-        &self,
+        self: &Arc<Self>,
         cmd: Command,
         gateway: Option<Arc<str>>,
     ) -> Result<Reply, BrokerError> {
@@ -339,7 +294,7 @@ impl Partition {
     /// [`Partition::submit`], limited to the caller's `tenants` when given: a
     /// command about a job of another tenant finds no job.
     pub async fn submit_in(
-        &self,
+        self: &Arc<Self>,
         cmd: Command,
         gateway: Option<Arc<str>>,
         tenants: Option<Vec<String>>,
@@ -400,13 +355,16 @@ impl Partition {
     /// applied) or has failed, so an attempt that succeeded is found in one or the
     /// other.
     fn claim_activation(
-        &self,
+        self: &Arc<Self>,
         props: &ActivationProps,
         max_jobs: u32,
         request: Option<RequestId>,
     ) -> Result<Option<ActivationClaim<'_>>, &'static str> {
-        let leading_term = self.leading_term();
-        let mut claims = lock(&self.claims);
+        // Not leading: the proposal is refused as it is.
+        let Some(leader) = self.leader() else {
+            return Ok(None);
+        };
+        let mut claims = lock(&leader.claims);
         if request.is_some_and(|r| claims.carries(r)) {
             return Ok(None);
         }
@@ -415,11 +373,9 @@ impl Partition {
             if request.is_some_and(|r| applied.state.once_record(r).is_some()) {
                 return Ok(None);
             }
-            let caught_up = leading_term.is_some_and(|term| {
-                applied
-                    .last_applied
-                    .is_some_and(|id| id.leader_id.term == term)
-            });
+            let caught_up = applied
+                .last_applied
+                .is_some_and(|id| id.leader_id.term == leader.term);
             if caught_up {
                 let outlook = claims.outlook(&props.job_type, &props.tenant_ids, |t| {
                     applied.state.queued(&props.job_type, t)
@@ -432,8 +388,10 @@ impl Partition {
             }
         }
         claims.add(&props.job_type, &props.tenant_ids, max_jobs, request);
+        drop(claims);
         Ok(Some(ActivationClaim {
             partition: self,
+            leader,
             job_type: props.job_type.clone(),
             tenants: props.tenant_ids.clone(),
             max_jobs,
@@ -490,12 +448,12 @@ impl Partition {
 
     /// Replicates `cmd` and answers once it is committed and applied. Credit held
     /// for its push targets goes back if it is never proposed.
-    pub async fn propose(&self, cmd: LogCommand) -> Result<Reply, BrokerError> {
+    pub async fn propose(self: &Arc<Self>, cmd: LogCommand) -> Result<Reply, BrokerError> {
         self.propose_from(cmd, None).await
     }
 
     async fn propose_from(
-        &self,
+        self: &Arc<Self>,
         cmd: LogCommand,
         ends_from: Option<(JobKey, Arc<str>)>,
     ) -> Result<Reply, BrokerError> {
@@ -535,10 +493,13 @@ impl Partition {
         }
     }
 
-    /// Reads a job from the leader's applied state.
     /// Reads a job from the leader's state; with `tenants`, a job of another
     /// tenant is not found.
-    pub fn get_job(&self, key: JobKey, tenants: Option<&[String]>) -> Result<Reply, BrokerError> {
+    pub fn get_job(
+        self: &Arc<Self>,
+        key: JobKey,
+        tenants: Option<&[String]>,
+    ) -> Result<Reply, BrokerError> {
         self.check_leader()?;
         let applied = self.shared.read();
         applied
@@ -571,11 +532,9 @@ impl Partition {
         m.state == ServerState::Leader
     }
 
-    fn check_leader(&self) -> Result<(), BrokerError> {
-        let m = self.raft.server_metrics();
-        let m = m.borrow();
-        if m.state == ServerState::Leader {
-            if self.majority_lost() {
+    fn check_leader(self: &Arc<Self>) -> Result<(), BrokerError> {
+        if let Some(leader) = self.leader() {
+            if leader.majority_lost() {
                 return Err(BrokerError::NoMajority(format!(
                     "partition {} has lost its majority: its leader, broker {}, has not \
                      heard from most of its replicas for {} s and cannot commit until \
@@ -587,47 +546,15 @@ impl Partition {
             }
             Ok(())
         } else {
+            let leader = self.raft.server_metrics().borrow().current_leader;
             Err(BrokerError::NotLeader {
                 partition: self.id,
-                leader: m.current_leader.filter(|l| *l != self.node_id),
+                leader: leader.filter(|l| *l != self.node_id),
             })
         }
     }
 
     fn stopping(&self) -> BrokerError {
         BrokerError::Unavailable(format!("partition {} is shutting down", self.id))
-    }
-}
-
-/// Keeps [`Partition::majority_lost`] current: a leader of a partition with more
-/// than one voter whose last acknowledgement by a majority is older than
-/// [`MAJORITY_LOST_AFTER`]. (openraft 0.9's leader does not step down by itself.)
-async fn watch_majority(p: Arc<Partition>, shutdown: CancellationToken) {
-    let gauge =
-        metrics::MAJORITY_LOST.with_label_values(&[&p.node_id.to_string(), &p.id.to_string()]);
-    let mut every = tokio::time::interval(MAJORITY_CHECK_EVERY);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = every.tick() => {}
-        }
-        let lost = {
-            let m = p.raft.metrics();
-            let m = m.borrow();
-            m.state == ServerState::Leader
-                && m.membership_config.membership().voter_ids().count() > 1
-                && m.millis_since_quorum_ack
-                    .is_some_and(|ms| Duration::from_millis(ms) > MAJORITY_LOST_AFTER)
-        };
-        if lost != p.majority_lost() {
-            if lost {
-                tracing::warn!("leading without a majority: refusing commands until it is back");
-            } else {
-                tracing::info!("majority back");
-            }
-            p.majority_lost.store(lost, Ordering::Relaxed);
-            gauge.set(i64::from(lost));
-        }
     }
 }

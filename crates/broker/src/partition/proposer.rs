@@ -46,10 +46,10 @@ pub(super) async fn run_proposer(
         let held = (!pending.proposals.is_empty() && completions_only(&pending.proposals))
             .then_some(pending.since + pending.hold())
             .filter(|&until| until > tokio::time::Instant::now());
-        let gated = p.gate_closed.load(Ordering::Relaxed);
+        let gated = p.gate.is_closed();
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            _ = p.gate_opened.notified(), if gated => {}
+            _ = p.gate.opened(), if gated => {}
             // Completions held long enough: the check below lets them go.
             _ = tokio::time::sleep_until(held.unwrap_or(pending.since)), if held.is_some() => {}
             Some(seq) = inflight.next(), if !inflight.is_empty() => {
@@ -81,7 +81,7 @@ pub(super) async fn run_proposer(
             inflight.len(),
             pending.since.elapsed(),
             pending.hold(),
-        ) && p.enter_gate()
+        ) && p.gate.enter()
         {
             let batch = pending.take();
             let (flushed_tx, flushed) = oneshot::channel();
@@ -93,7 +93,7 @@ pub(super) async fn run_proposer(
             let p = p.clone();
             inflight.push(async move {
                 let seq = write(p.clone(), batch, signal, next_seq).await;
-                p.leave_gate();
+                p.gate.leave();
                 seq
             });
         }

@@ -74,6 +74,9 @@ pub(super) fn carry_out(
     proposed: Instant,
     ends_from: &BTreeMap<JobKey, Arc<str>>,
 ) {
+    // None once the leadership that proposed the entry is over: its pushes still
+    // go out (the jobs are activated for them), and the next leader sees to the rest.
+    let leader = p.leader();
     for e in effects {
         match e {
             Effect::JobsAvailable {
@@ -88,15 +91,16 @@ pub(super) fn carry_out(
                     metrics::BACKFILLED.inc();
                 }
                 let created = (push.origin == PushOrigin::Created).then_some(proposed);
-                start_push(p, *push, created);
+                start_push(p, leader.as_ref(), *push, created);
             }
             Effect::Finished { key, lease } => {
                 // Tell the gateway holding it, whichever gateway finished it. An
                 // entry of an older activation goes too: the job has moved on.
-                let held = p
-                    .unhold(p.pushed.remove(&key))
-                    .filter(|(_, (_, l))| *l == lease);
-                if let Some((_, (link, _))) = held {
+                let held = leader
+                    .as_ref()
+                    .and_then(|l| l.unhold(key))
+                    .filter(|(_, l)| *l == lease);
+                if let Some((link, _)) = held {
                     let Some(link) = p.registry.link(link) else {
                         continue;
                     };
@@ -125,20 +129,31 @@ pub(super) fn carry_out(
 
 /// Sends a pushed job to its recipient now, on the job path, and leaves waiting for
 /// the answer to a task of its own.
-pub(super) fn start_push(p: &Arc<Partition>, push: Push, created: Option<Instant>) {
+pub(super) fn start_push(
+    p: &Arc<Partition>,
+    leader: Option<&Arc<LeaderState>>,
+    push: Push,
+    created: Option<Instant>,
+) {
     let Push {
         target, lease, job, ..
     } = push;
     // Recorded before the push leaves: the job may finish before its ack arrives,
     // and the end of its activation must find (and remove) the entry.
-    if p.pushed
-        .insert(job.key, (target.recipient.link, lease))
-        .is_none()
-    {
-        p.pushed_gauge.inc();
+    if let Some(l) = leader {
+        l.hold(job.key, (target.recipient.link, lease));
     }
     let sent = send_to(p, &target.recipient, true, lease, job.clone(), created);
-    tokio::spawn(finish_push(p.clone(), target, lease, job, sent));
+    match leader {
+        Some(l) => p.spawn_led(
+            l,
+            finish_push(p.clone(), l.clone(), target, lease, job, sent),
+            &tracing::Span::current(),
+        ),
+        // No leadership to hold the job for or to yield it in: the answer is not
+        // awaited, and the next leader reconciles the push.
+        None => drop(sent),
+    }
 }
 
 /// Queues `job` for `recipient`. The first recipient's credit was held when the
@@ -171,6 +186,7 @@ pub(super) fn send_to(
 /// activation deadline recovers it if not.
 pub(super) async fn finish_push(
     p: Arc<Partition>,
+    l: Arc<LeaderState>,
     target: PushTarget,
     lease: u64,
     job: ActivatedJob,
@@ -222,28 +238,32 @@ pub(super) async fn finish_push(
             break;
         };
         // Unless the activation already ended, its entry follows the job.
-        if let Some(mut held) = p.pushed.get_mut(&key).filter(|h| h.1 == lease) {
+        if let Some(mut held) = l.pushed.get_mut(&key).filter(|h| h.1 == lease) {
             held.0 = next.link;
         }
         attempt = send_to(&p, &next, false, lease, job.clone(), None);
     }
-    p.unhold(p.pushed.remove_if(&key, |_, (_, l)| *l == lease));
-    p.queue_yield(key, lease, deadline);
+    l.unhold_lease(key, lease);
+    l.queue_yield(key, lease, deadline);
 }
 
-impl Partition {
-    /// Counts an entry removed from `pushed` out of its gauge; passes it on.
-    pub(super) fn unhold<T>(&self, removed: Option<T>) -> Option<T> {
-        if removed.is_some() {
-            self.pushed_gauge.dec();
-        }
-        removed
-    }
-
+impl LeaderState {
     /// Queues a yield for the next paced batch.
     pub fn queue_yield(&self, key: JobKey, lease: u64, deadline: i64) {
         lock(&self.yields).push((key, lease, deadline));
         self.yield_wake.notify_one();
+    }
+}
+
+impl Partition {
+    /// A gateway gave a pushed job back: queued as a yield where this replica leads.
+    pub fn gateway_yield(self: &Arc<Self>, key: JobKey, lease: u64) -> bool {
+        let Some(l) = self.leader() else {
+            return false;
+        };
+        // Paced like every yield; its deadline is unknown here, so never skipped.
+        l.queue_yield(key, lease, i64::MAX);
+        true
     }
 
     /// Jobs of this type and tenant became runnable without a push (a yield, a
@@ -268,9 +288,9 @@ impl Partition {
     /// and the proposer puts the rounds waiting together into one log entry. A backlog
     /// larger than the credit goes as more credit is reported.
     pub fn backfill(self: &Arc<Self>, props: ActivationProps) {
-        if self.shutdown.is_cancelled() || !self.is_leader() {
+        let Some(leader) = self.leader() else {
             return;
-        }
+        };
         let backlog = self
             .shared
             .read()
@@ -290,29 +310,24 @@ impl Partition {
             return;
         };
         let p = self.clone();
-        tokio::spawn(async move {
+        let round = async move {
             if let Err(e) = p.propose(LogCommand::Backfill { target }).await {
                 tracing::debug!(error = %e, "back-fill round not applied");
             }
-        });
+        };
+        self.spawn_led(&leader, round, &tracing::Span::current());
     }
 }
 
 /// Proposes queued yields in paced batches: after a wake it waits [`YIELD_PACE`]
 /// plus jitter, collecting more, then proposes them together (one log entry). A
 /// job whose deadline would pass before its yield could land is left to time out.
-pub(super) async fn run_yields(p: Arc<Partition>, shutdown: CancellationToken) {
+pub(super) async fn run_yields(p: Arc<Partition>, l: Arc<LeaderState>) {
     loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = p.yield_wake.notified() => {}
-        }
+        l.yield_wake.notified().await;
         let jitter = Duration::from_micros(rand::random::<u64>() % YIELD_PACE.as_micros() as u64);
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(YIELD_PACE + jitter) => {}
-        }
-        let batch = std::mem::take(&mut *lock(&p.yields));
+        tokio::time::sleep(YIELD_PACE + jitter).await;
+        let batch = std::mem::take(&mut *lock(&l.yields));
         let soon = now_ms() + 2 * YIELD_PACE.as_millis() as i64;
         let (due, late): (Vec<_>, Vec<_>) = batch.into_iter().partition(|(_, _, d)| *d > soon);
         if !late.is_empty() {

@@ -222,7 +222,7 @@ impl Partition {
         }
         let p = self.clone();
         let stop = self.shutdown.clone();
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(grace) => {}

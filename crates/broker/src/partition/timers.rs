@@ -3,50 +3,11 @@
 
 use super::*;
 
-/// While leader: proposes TimeOut for activations past their deadline and Recur
-/// for jobs past their retry back-off. Apply re-checks both against the entry's time.
-pub(super) async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
-    // Woken by changes of role or leader, not by every entry.
-    let mut metrics_rx = p.raft.server_metrics();
-    // The term this replica leads in, as of the last round.
-    let mut led: Option<u64> = None;
+/// For one leadership: proposes TimeOut for activations past their deadline and
+/// Recur for jobs past their retry back-off. Apply re-checks both against the
+/// entry's time.
+pub(super) async fn run_timers(p: Arc<Partition>) {
     loop {
-        let Some(term) = p.leading_term() else {
-            if led.take().is_some() {
-                // Ends of activations are carried out by the next leader now.
-                let keys: Vec<JobKey> = p.pushed.iter().map(|e| *e.key()).collect();
-                for key in keys {
-                    p.unhold(p.pushed.remove(&key));
-                }
-            }
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                r = metrics_rx.changed() => if r.is_err() { return },
-            }
-            continue;
-        };
-        // A new term, even one this replica won again without this task seeing it
-        // follow in between.
-        if led != Some(term) {
-            led = Some(term);
-            let (q, stop) = (p.clone(), shutdown.clone());
-            tokio::spawn(async move {
-                tokio::select! {
-                    _ = stop.cancelled() => {}
-                    _ = async {
-                        tokio::join!(
-                            async {
-                                if caught_up_in(&q, term).await {
-                                    offer_backlog(&q);
-                                    reconcile_pushes(q.clone(), term).await;
-                                }
-                            },
-                            reclaim_orphans(q.clone(), term),
-                        )
-                    } => {}
-                }
-            });
-        }
         let applied = p.shared.applied.notified();
         tokio::pin!(applied);
         applied.as_mut().enable();
@@ -75,20 +36,13 @@ pub(super) async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
             proposed = true;
             if let Err(e) = p.propose(cmd).await {
                 tracing::debug!(error = %e, "timer command not applied");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
         if proposed {
             // More may be due at once only if the round was cut short.
             if !full {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(TIMER_PACE) => {}
-                    r = metrics_rx.changed() => if r.is_err() { return },
-                }
+                tokio::time::sleep(TIMER_PACE).await;
             }
             continue;
         }
@@ -97,10 +51,8 @@ pub(super) async fn run_timers(p: Arc<Partition>, shutdown: CancellationToken) {
         p.shared.timers_wait_until(now + wait);
         let wait = wait as u64;
         tokio::select! {
-            _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
             _ = &mut applied => {}
-            r = metrics_rx.changed() => if r.is_err() { return },
         }
     }
 }
