@@ -13,7 +13,8 @@ use courier_broker::registry::JobStreamRegistry;
 use courier_broker::store::log::LogStore;
 use courier_broker::store::{Db, Durability};
 use courier_proto::domain::{
-    ActivationProps, Command, JobKey, NewJob, PartitionId, ProcessContext, Reply, DEFAULT_TENANT,
+    ActivationProps, Command, JobKey, LinkId, NewJob, PartitionId, ProcessContext, Reply, StreamId,
+    DEFAULT_TENANT,
 };
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use openraft::{Entry, EntryPayload, LogId};
@@ -53,8 +54,8 @@ fn create_batch(ts: i64) -> Batch {
             push: vec![PushTarget {
                 props: props(),
                 recipient: Recipient {
-                    link: 1,
-                    stream_id: 1,
+                    link: LinkId(1),
+                    stream_id: StreamId(1),
                 },
                 max: BATCH as u32,
                 gateway: "gateway-1".into(),
@@ -131,8 +132,8 @@ fn engine(c: &mut Criterion) {
                 target: PushTarget {
                     props: p,
                     recipient: Recipient {
-                        link: 1,
-                        stream_id: 1,
+                        link: LinkId(1),
+                        stream_id: StreamId(1),
                     },
                     max: BATCH as u32,
                     gateway: "gateway-1".into(),
@@ -158,8 +159,8 @@ fn registry(c: &mut Criterion) {
         let mut p = props();
         p.job_type = format!("type-{t}");
         for link in 1..=3u64 {
-            r.register(link, t, p.clone());
-            r.report_credit(link, t, 1_000_000, 0);
+            r.register(LinkId(link), StreamId(t), p.clone());
+            r.report_credit(LinkId(link), StreamId(t), 1_000_000, 0);
         }
     }
     let mut g = c.benchmark_group("registry");

@@ -14,7 +14,7 @@ use courier_proto::cluster::{
 };
 use courier_proto::codec;
 use courier_proto::convert;
-use courier_proto::domain::{BrokerError, JobKey, PartitionId, Reply, Request};
+use courier_proto::domain::{BrokerError, JobKey, Lease, PartitionId, Reply, Request, StreamId};
 use courier_proto::mux;
 use futures::Stream;
 use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
@@ -283,7 +283,7 @@ impl Drop for LinkGuard {
         if self.registry.left(&gateway) {
             tracing::info!(
                 %gateway,
-                link = self.link.id,
+                link = %self.link.id,
                 "gateway left gracefully; the jobs its clients hold stay theirs until their activation timeouts"
             );
             return;
@@ -291,7 +291,7 @@ impl Drop for LinkGuard {
         if !gateway.is_empty() {
             tracing::warn!(
                 %gateway,
-                link = self.link.id,
+                link = %self.link.id,
                 "gateway link lost without the gateway saying it leaves (it died, or was cut off)"
             );
             let mark = self.registry.hellos();
@@ -311,33 +311,40 @@ fn on_gateway_message(
 ) {
     match msg.kind {
         Some(gateway_message::Kind::Hello(h)) => {
-            tracing::info!(gateway = %h.gateway_id, link = link.id, "gateway linked");
+            tracing::info!(gateway = %h.gateway_id, link = %link.id, "gateway linked");
             registry.hello(link, h.gateway_id);
         }
         Some(gateway_message::Kind::Register(r)) => {
             match r.props.as_ref().map(convert::stream_props) {
                 Some(Ok(props)) => {
-                    tracing::debug!(link = link.id, stream = r.stream_id, job_type = %props.job_type, "stream registered");
-                    registry.register(link.id, r.stream_id, props.clone());
+                    tracing::debug!(link = %link.id, stream = r.stream_id, job_type = %props.job_type, "stream registered");
+                    registry.register(link.id, StreamId(r.stream_id), props.clone());
                     for p in partitions.values() {
                         p.backfill(props.clone());
                     }
                 }
                 Some(Err(e)) => {
-                    tracing::warn!(link = link.id, error = %e, "invalid stream registration dropped")
+                    tracing::warn!(link = %link.id, error = %e, "invalid stream registration dropped")
                 }
                 None => tracing::warn!(
-                    link = link.id,
+                    link = %link.id,
                     "stream registration without properties dropped"
                 ),
             }
         }
-        Some(gateway_message::Kind::Unregister(u)) => registry.unregister(link.id, u.stream_id),
+        Some(gateway_message::Kind::Unregister(u)) => {
+            registry.unregister(link.id, StreamId(u.stream_id))
+        }
         Some(gateway_message::Kind::Credit(c)) => {
-            let fresh = registry.report_credit(link.id, c.stream_id, u64::from(c.free), c.received);
+            let fresh = registry.report_credit(
+                link.id,
+                StreamId(c.stream_id),
+                u64::from(c.free),
+                c.received,
+            );
             if fresh {
                 // More credit: the backlog that waited for it goes now.
-                if let Some(props) = registry.props_of(link.id, c.stream_id) {
+                if let Some(props) = registry.props_of(link.id, StreamId(c.stream_id)) {
                     for p in partitions.values() {
                         p.backfill(props.clone());
                     }
@@ -346,7 +353,7 @@ fn on_gateway_message(
         }
         Some(gateway_message::Kind::PushAck(a)) => link.acked(a.push_id, a.accepted, a.reason),
         Some(gateway_message::Kind::Leaving(_)) => {
-            tracing::info!(gateway = %link.gateway_id(), link = link.id, "gateway stops gracefully");
+            tracing::info!(gateway = %link.gateway_id(), link = %link.id, "gateway stops gracefully");
             registry.leaving(link);
         }
         Some(gateway_message::Kind::HeldAnswer(a)) => link.answered(a.query_id, a.held),
@@ -355,7 +362,7 @@ fn on_gateway_message(
             // acts on one.
             let queued = partitions
                 .get(&y.partition_id)
-                .is_some_and(|p| p.gateway_yield(JobKey(y.key), y.lease));
+                .is_some_and(|p| p.gateway_yield(JobKey(y.key), Lease(y.lease)));
             if !queued {
                 tracing::debug!(
                     partition = y.partition_id,
@@ -367,7 +374,7 @@ fn on_gateway_message(
                 .with_label_values(&[metrics::label::yield_source::GATEWAY])
                 .inc();
         }
-        None => tracing::warn!(link = link.id, "empty link message dropped"),
+        None => tracing::warn!(link = %link.id, "empty link message dropped"),
     }
 }
 
@@ -481,7 +488,7 @@ impl cluster::broker_server::Broker for BrokerService {
                         Ok(Some(msg)) => on_gateway_message(&registry, &partitions, &link, msg),
                         Ok(None) => break,
                         Err(e) => {
-                            tracing::info!(link = link.id, error = %e, "gateway link broke");
+                            tracing::info!(link = %link.id, error = %e, "gateway link broke");
                             break;
                         }
                     },
@@ -502,7 +509,7 @@ impl cluster::broker_server::Broker for BrokerService {
                                 .flat_map(|p| p.activatable_notices())
                                 .collect();
                             tracing::warn!(
-                                link = link.id,
+                                link = %link.id,
                                 skipped = k,
                                 announced = again.len(),
                                 "link fell behind the jobs-available notices; announcing every activatable type instead"
@@ -515,7 +522,7 @@ impl cluster::broker_server::Broker for BrokerService {
                     },
                 }
             }
-            tracing::info!(link = link.id, "gateway link closed");
+            tracing::info!(link = %link.id, "gateway link closed");
         };
         Ok(Response::new(Box::pin(out)))
     }

@@ -15,7 +15,7 @@ use courier_proto::cluster::{
     broker_client::BrokerClient, broker_message, gateway_message, BrokerMessage, GatewayHello,
     GatewayLeaving, GatewayMessage, PushJob,
 };
-use courier_proto::domain::{JobKey, NodeId, PartitionId};
+use courier_proto::domain::{JobKey, Lease, NodeId, PartitionId};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -291,7 +291,7 @@ impl BrokerLink {
             Some(broker_message::Kind::Push(p)) => Self::push(node, p, link),
             Some(broker_message::Kind::Finished(f)) => {
                 tracing::trace!(node, job_key = f.key, lease = f.lease, "job finished");
-                self.streams.finished(JobKey(f.key), f.lease);
+                self.streams.finished(JobKey(f.key), Lease(f.lease));
                 None
             }
             Some(broker_message::Kind::HeldQuery(q)) => {

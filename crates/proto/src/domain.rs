@@ -85,6 +85,41 @@ impl fmt::Display for JobKey {
     }
 }
 
+/// A `u64` number with a meaning of its own: a newtype that prints as the number
+/// and is stored as it.
+macro_rules! number_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(
+            Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+        )]
+        #[serde(transparent)]
+        pub struct $name(pub u64);
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+    };
+}
+
+number_id!(
+    /// One activation of a job: a number unique per activation in its partition, so
+    /// that word about an older activation (its push answered, its end, a yield) is
+    /// told apart from the current one.
+    Lease
+);
+number_id!(
+    /// A gateway's aggregated stream (one per set of activation properties), as the
+    /// gateway numbers it and names it on its links.
+    StreamId
+);
+number_id!(
+    /// A gateway's link to a broker, as that broker numbers its links (per process).
+    LinkId
+);
+
 /// Process fields a producer may attach to a job; copied unchanged onto every activation.
 /// Courier has no processes, so these are zero/empty unless the producer set them.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -131,7 +131,9 @@ impl State {
                 let via = target.via(term);
                 let jobs = self.activate(ts, &target.props, target.max, Some(via), changes);
                 for job in jobs {
-                    let lease = self.lease_of(job.key);
+                    let Some(lease) = self.lease_of(job.key) else {
+                        continue;
+                    };
                     effects.push(Effect::Push(Box::new(Push {
                         target: target.clone(),
                         lease,
@@ -181,7 +183,10 @@ impl State {
                         count: u32::try_from(keys.len()).unwrap_or(u32::MAX),
                     },
                     Reply::Activated(jobs) => Outcome::Activated {
-                        jobs: jobs.iter().map(|j| (j.key, self.lease_of(j.key))).collect(),
+                        jobs: jobs
+                            .iter()
+                            .filter_map(|j| Some((j.key, self.lease_of(j.key)?)))
+                            .collect(),
                     },
                     _ => Outcome::Done,
                 };
@@ -353,7 +358,7 @@ impl State {
     pub(super) fn still_activated(
         &self,
         key: JobKey,
-        lease: u64,
+        lease: Lease,
         props: &ActivationProps,
     ) -> Option<ActivatedJob> {
         let job = self.jobs.get(&key)?;
@@ -416,7 +421,7 @@ impl State {
     ) -> Option<ActivatedJob> {
         self.unindex(key);
         self.counters.last_lease += 1;
-        let lease = self.counters.last_lease;
+        let lease = Lease(self.counters.last_lease);
         let deadline = ts.saturating_add(props.timeout_ms);
         let job = self.jobs.get_mut(&key)?;
         job.status = JobStatus::Activated {
@@ -449,8 +454,8 @@ impl State {
         match budget.take(job) {
             Some(target) => {
                 let via = Some(target.via(budget.term));
-                if let Some(activated) = self.activate_one(ts, key, &target.props, via, changes) {
-                    let lease = self.lease_of(key);
+                let activated = self.activate_one(ts, key, &target.props, via, changes);
+                if let Some((activated, lease)) = activated.zip(self.lease_of(key)) {
                     effects.push(Effect::Push(Box::new(Push {
                         target,
                         lease,
@@ -516,10 +521,11 @@ impl State {
         Ok(Some(merged))
     }
 
-    pub(super) fn lease_of(&self, key: JobKey) -> u64 {
+    /// The lease of job `key`'s current activation, if it is activated.
+    pub(super) fn lease_of(&self, key: JobKey) -> Option<Lease> {
         match self.jobs.get(&key).map(|j| &j.status) {
-            Some(JobStatus::Activated { lease, .. }) => *lease,
-            _ => 0,
+            Some(JobStatus::Activated { lease, .. }) => Some(*lease),
+            _ => None,
         }
     }
 }

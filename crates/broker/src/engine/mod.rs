@@ -11,8 +11,8 @@
 
 use courier_proto::domain::{
     job_text_bytes, job_too_large, ActivatedJob, ActivationProps, BrokerError, Command, JobKey,
-    JobStateKind, JobView, NewJob, PartitionId, ProcessContext, Reply, RequestId, MAX_JOB_BYTES,
-    ONCE_WINDOW_MS,
+    JobStateKind, JobView, Lease, LinkId, NewJob, PartitionId, ProcessContext, Reply, RequestId,
+    StreamId, MAX_JOB_BYTES, ONCE_WINDOW_MS,
 };
 use courier_proto::sync::lock;
 use serde::{Deserialize, Serialize};
@@ -129,7 +129,7 @@ pub enum LogCommand {
     },
     /// Every recipient refused a pushed job: it becomes activatable again, unless the
     /// activation named by `lease` is no longer the job's current one.
-    Yield { key: JobKey, lease: u64 },
+    Yield { key: JobKey, lease: Lease },
     /// Activate and push up to `target.max` of the oldest activatable jobs matching the
     /// target's stream (a stream registered after they were created).
     Backfill { target: PushTarget },
@@ -160,9 +160,9 @@ impl LogCommand {
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Recipient {
     /// The broker-local id of the gateway link.
-    pub link: u64,
+    pub link: LinkId,
     /// The gateway's id of the aggregated stream.
-    pub stream_id: u64,
+    pub stream_id: StreamId,
 }
 
 /// The leader's decision, written into a command, to push up to `max` jobs of the
@@ -196,7 +196,7 @@ impl PushTarget {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Push {
     pub target: PushTarget,
-    pub lease: u64,
+    pub lease: Lease,
     pub job: ActivatedJob,
     pub origin: PushOrigin,
 }
@@ -222,7 +222,7 @@ pub enum Effect {
     Push(Box<Push>),
     /// An activation ended (completed, failed, error thrown, canceled, timed out,
     /// yielded): a gateway holding it for a client may count that credit free again.
-    Finished { key: JobKey, lease: u64 },
+    Finished { key: JobKey, lease: Lease },
 }
 
 /// A job's lifecycle state while it exists. Completed and canceled jobs are removed.
@@ -234,7 +234,7 @@ pub enum JobStatus {
     Activated {
         worker: String,
         deadline: i64,
-        lease: u64,
+        lease: Lease,
         /// The gateway it went out through, when known.
         via: Option<Via>,
     },
@@ -265,7 +265,7 @@ pub struct Via {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Handed {
     pub key: JobKey,
-    pub lease: u64,
+    pub lease: Lease,
     pub gateway: String,
 }
 
@@ -341,7 +341,7 @@ pub enum Outcome {
     Done,
     /// Jobs activated, with the lease of each activation.
     Activated {
-        jobs: Vec<(JobKey, u64)>,
+        jobs: Vec<(JobKey, Lease)>,
     },
 }
 

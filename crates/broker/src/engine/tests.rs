@@ -30,7 +30,10 @@ fn props(t: &str, timeout_ms: i64) -> ActivationProps {
 }
 
 fn finished(key: JobKey, lease: u64) -> Effect {
-    Effect::Finished { key, lease }
+    Effect::Finished {
+        key,
+        lease: Lease(lease),
+    }
 }
 
 fn available(t: &str) -> Effect {
@@ -281,7 +284,7 @@ fn activate_takes_oldest_first_with_deadline_lease_and_filtered_variables() {
         JobStatus::Activated {
             worker: "w1".into(),
             deadline: T0 + 5010,
-            lease: 1,
+            lease: Lease(1),
             via: None,
         }
     );
@@ -290,7 +293,10 @@ fn activate_takes_oldest_first_with_deadline_lease_and_filtered_variables() {
     assert_eq!(jobs.iter().map(|j| j.key).collect::<Vec<_>>(), vec![k2]);
     assert!(matches!(
         status(&s, k2),
-        JobStatus::Activated { lease: 2, .. }
+        JobStatus::Activated {
+            lease: Lease(2),
+            ..
+        }
     ));
     assert!(activate(&mut s, T0 + 30, "a", 10).is_empty());
     assert_eq!(
@@ -494,7 +500,13 @@ fn a_fail_sent_again_leaves_the_jobs_next_activation_alone() {
     let j = s.job(k).expect("job");
     assert_eq!(j.retries, 2, "failed once");
     assert!(
-        matches!(j.status, JobStatus::Activated { lease: 2, .. }),
+        matches!(
+            j.status,
+            JobStatus::Activated {
+                lease: Lease(2),
+                ..
+            }
+        ),
         "{:?}",
         j.status
     );
@@ -536,7 +548,7 @@ fn an_activation_sent_again_gives_the_jobs_it_still_holds() {
     assert_eq!(
         s.once_record(RequestId(9)).map(|r| r.outcome.clone()),
         Some(Outcome::Activated {
-            jobs: vec![(k1, 1), (k2, 2)]
+            jobs: vec![(k1, Lease(1)), (k2, Lease(2))]
         })
     );
 
@@ -777,7 +789,10 @@ fn activation_timeout_makes_the_job_runnable_again() {
     assert_eq!(again[0].key, k);
     assert!(matches!(
         status(&s, k),
-        JobStatus::Activated { lease: 2, .. }
+        JobStatus::Activated {
+            lease: Lease(2),
+            ..
+        }
     ));
 }
 
@@ -936,8 +951,8 @@ fn target(t: &str, max: u32) -> PushTarget {
     PushTarget {
         props: p,
         recipient: Recipient {
-            link: 7,
-            stream_id: 3,
+            link: LinkId(7),
+            stream_id: StreamId(3),
         },
         max,
         gateway: "gw-a".into(),
@@ -956,7 +971,7 @@ fn pushes(effects: &[Effect]) -> Vec<(JobKey, u64)> {
     effects
         .iter()
         .filter_map(|e| match e {
-            Effect::Push(p) => Some((p.job.key, p.lease)),
+            Effect::Push(p) => Some((p.job.key, p.lease.0)),
             Effect::JobsAvailable { .. } | Effect::Finished { .. } => None,
         })
         .collect()
@@ -988,7 +1003,7 @@ fn create_with_a_stream_activates_and_pushes_in_the_same_entry() {
         effects,
         vec![Effect::Push(Box::new(Push {
             target: target("a", 10),
-            lease: 1,
+            lease: Lease(1),
             job: expected_job,
             origin: PushOrigin::Created,
         }))],
@@ -999,7 +1014,7 @@ fn create_with_a_stream_activates_and_pushes_in_the_same_entry() {
         JobStatus::Activated {
             worker: "streamer".into(),
             deadline: T0 + 30_000,
-            lease: 1,
+            lease: Lease(1),
             via: Some(Via {
                 gateway: "gw-a".into(),
                 term: TERM,
@@ -1119,7 +1134,7 @@ fn a_timed_out_activation_is_pushed_with_a_new_lease() {
     );
     assert_eq!(pushes(&effects), vec![(k, 2)]);
     assert!(
-        matches!(status(&s, k), JobStatus::Activated { lease: 2, deadline, .. } if deadline == T0 + 31_000)
+        matches!(status(&s, k), JobStatus::Activated { lease: Lease(2), deadline, .. } if deadline == T0 + 31_000)
     );
 }
 
@@ -1188,7 +1203,7 @@ fn a_later_leader_learns_which_activations_earlier_leaders_pushed_and_where() {
     assert!(matches!(
         status(&s, polled),
         JobStatus::Activated {
-            lease: 2,
+            lease: Lease(2),
             via: None,
             ..
         }
@@ -1201,7 +1216,7 @@ fn a_later_leader_learns_which_activations_earlier_leaders_pushed_and_where() {
     };
     let set = |v: &[(JobKey, u64, &str)]| {
         v.iter()
-            .map(|(k, l, g)| (*k, *l, g.to_string()))
+            .map(|(k, l, g)| (*k, Lease(*l), g.to_string()))
             .collect::<BTreeSet<_>>()
     };
     assert!(
@@ -1214,11 +1229,17 @@ fn a_later_leader_learns_which_activations_earlier_leaders_pushed_and_where() {
         set(&[(a, 1, "gw-a"), (c, 3, "gw-b"), (d, 4, "gw-a")])
     );
     // An activation that ended is not asked about; a new one is, by its own lease.
-    assert!(
-        run_in(&mut s, 6, T0 + 1, LogCommand::Yield { key: a, lease: 1 })
-            .0
-            .is_ok()
-    );
+    assert!(run_in(
+        &mut s,
+        6,
+        T0 + 1,
+        LogCommand::Yield {
+            key: a,
+            lease: Lease(1)
+        }
+    )
+    .0
+    .is_ok());
     assert!(run_in(
         &mut s,
         6,
@@ -1254,7 +1275,7 @@ fn a_later_leader_learns_which_activations_earlier_leaders_pushed_and_where() {
         JobStatus::Activated {
             worker: "w1".into(),
             deadline: T0 + 60_001,
-            lease: 6,
+            lease: Lease(6),
             via: Some(Via {
                 gateway: "gw-b".into(),
                 term: 6,
@@ -1286,7 +1307,14 @@ fn a_yield_with_the_current_lease_makes_the_job_pollable_not_pushed() {
     .0
     .is_ok());
     let k = JobKey::new(P, 1);
-    let (reply, effects, changes) = run_log(&mut s, T0 + 5, LogCommand::Yield { key: k, lease: 1 });
+    let (reply, effects, changes) = run_log(
+        &mut s,
+        T0 + 5,
+        LogCommand::Yield {
+            key: k,
+            lease: Lease(1),
+        },
+    );
     assert_eq!(reply, Ok(Reply::Done));
     assert_eq!(effects, vec![finished(k, 1), available("a")]);
     assert_eq!(changes, keys(&[k]));
@@ -1320,11 +1348,20 @@ fn a_stale_yield_is_a_no_op() {
     activate(&mut s, T0 + 30_001, "a", 1);
     assert!(matches!(
         status(&s, k),
-        JobStatus::Activated { lease: 2, .. }
+        JobStatus::Activated {
+            lease: Lease(2),
+            ..
+        }
     ));
     let before = status(&s, k);
-    let (reply, effects, changes) =
-        run_log(&mut s, T0 + 30_002, LogCommand::Yield { key: k, lease: 1 });
+    let (reply, effects, changes) = run_log(
+        &mut s,
+        T0 + 30_002,
+        LogCommand::Yield {
+            key: k,
+            lease: Lease(1),
+        },
+    );
     assert_eq!(reply, Ok(Reply::Done));
     assert!(effects.is_empty() && changes.is_empty());
     assert_eq!(status(&s, k), before);
@@ -1339,7 +1376,14 @@ fn a_stale_yield_is_a_no_op() {
     )
     .0
     .is_ok());
-    let (reply, effects, changes) = run_log(&mut s, T0, LogCommand::Yield { key: k, lease: 2 });
+    let (reply, effects, changes) = run_log(
+        &mut s,
+        T0,
+        LogCommand::Yield {
+            key: k,
+            lease: Lease(2),
+        },
+    );
     assert_eq!(reply, Ok(Reply::Done));
     assert!(effects.is_empty() && changes.is_empty());
 }

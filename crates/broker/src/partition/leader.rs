@@ -4,7 +4,7 @@
 use super::*;
 
 /// A pushed job's holder on this leader: the link it went out on, the activation's lease.
-pub(super) type Held = (u64, u64);
+pub(super) type Held = (LinkId, Lease);
 
 /// The leader-only state of one term: nothing in it outlives the leadership, and
 /// nothing outside it is leader-only. Its tasks (timers, yields, the majority
@@ -21,7 +21,7 @@ pub(super) struct LeaderState {
     /// changes at once never leave it at a stale count.
     pushed_gauge: prometheus::IntGauge,
     /// Yields waiting for the next paced batch: (key, lease, deadline).
-    pub yields: Mutex<Vec<(JobKey, u64, i64)>>,
+    pub yields: Mutex<Vec<(JobKey, Lease, i64)>>,
     pub yield_wake: Notify,
     /// Activations proposed and not yet finished.
     pub claims: Mutex<Claims>,
@@ -63,7 +63,7 @@ impl LeaderState {
     }
 
     /// Forgets the push of `key` if it is of that activation.
-    pub fn unhold_lease(&self, key: JobKey, lease: u64) {
+    pub fn unhold_lease(&self, key: JobKey, lease: Lease) {
         self.counted(self.pushed.remove_if(&key, |_, (_, l)| *l == lease));
     }
 

@@ -26,8 +26,8 @@ use courier_proto::cluster::{
     broker_message, BrokerMessage, HeldJob, JobFinished, JobsAvailable, Leading,
 };
 use courier_proto::domain::{
-    ActivatedJob, ActivationProps, BrokerError, Command, JobKey, NodeId, PartitionId, Reply,
-    RequestId,
+    ActivatedJob, ActivationProps, BrokerError, Command, JobKey, Lease, LinkId, NodeId,
+    PartitionId, Reply, RequestId,
 };
 use courier_proto::push_refusal::DISOWNED;
 use courier_proto::sync::{lock, read_lock, write_lock};

@@ -118,7 +118,7 @@ pub(super) fn carry_out(
                     link.send(BrokerMessage {
                         kind: Some(broker_message::Kind::Finished(JobFinished {
                             key: key.0,
-                            lease,
+                            lease: lease.0,
                         })),
                     });
                 }
@@ -163,7 +163,7 @@ pub(super) fn send_to(
     p: &Partition,
     recipient: &Recipient,
     first: bool,
-    lease: u64,
+    lease: Lease,
     job: ActivatedJob,
     created: Option<Instant>,
 ) -> Option<Result<SentPush, PushOutcome>> {
@@ -188,7 +188,7 @@ pub(super) async fn finish_push(
     p: Arc<Partition>,
     l: Arc<LeaderState>,
     target: PushTarget,
-    lease: u64,
+    lease: Lease,
     job: ActivatedJob,
     first: Option<Result<SentPush, PushOutcome>>,
 ) {
@@ -249,7 +249,7 @@ pub(super) async fn finish_push(
 
 impl LeaderState {
     /// Queues a yield for the next paced batch.
-    pub fn queue_yield(&self, key: JobKey, lease: u64, deadline: i64) {
+    pub fn queue_yield(&self, key: JobKey, lease: Lease, deadline: i64) {
         lock(&self.yields).push((key, lease, deadline));
         self.yield_wake.notify_one();
     }
@@ -257,7 +257,7 @@ impl LeaderState {
 
 impl Partition {
     /// A gateway gave a pushed job back: queued as a yield where this replica leads.
-    pub fn gateway_yield(self: &Arc<Self>, key: JobKey, lease: u64) -> bool {
+    pub fn gateway_yield(self: &Arc<Self>, key: JobKey, lease: Lease) -> bool {
         let Some(l) = self.leader() else {
             return false;
         };

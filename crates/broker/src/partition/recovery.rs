@@ -112,7 +112,7 @@ pub(super) async fn held_by_none(p: &Partition, jobs: Vec<Handed>) -> Option<Vec
         .iter()
         .map(|e| HeldJob {
             key: e.key.0,
-            lease: e.lease,
+            lease: e.lease.0,
         })
         .collect();
     let links = p.registry.links();
@@ -148,7 +148,7 @@ pub(super) async fn held_by_none(p: &Partition, jobs: Vec<Handed>) -> Option<Vec
     }
     let (kept, lost): (Vec<_>, Vec<_>) = jobs
         .into_iter()
-        .partition(|e| held.contains(&(e.key.0, e.lease)));
+        .partition(|e| held.contains(&(e.key.0, e.lease.0)));
     // What went out through a gateway that is gone is yielded only with a
     // lost-gateway grace; without one it waits for its activation timeout, as its
     // worker may still be running it.

@@ -8,7 +8,9 @@
 use crate::engine::{PushTarget, Recipient};
 use crate::metrics;
 use courier_proto::cluster::{broker_message, BrokerMessage, HeldJob, HeldQuery, PushJob};
-use courier_proto::domain::{ActivatedJob, ActivationProps, NodeId, PartitionId};
+use courier_proto::domain::{
+    ActivatedJob, ActivationProps, Lease, LinkId, NodeId, PartitionId, StreamId,
+};
 use courier_proto::sync::lock;
 use dashmap::DashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -43,7 +45,7 @@ pub enum PushOutcome {
 
 /// One gateway link as the broker sees it.
 pub struct Link {
-    pub id: u64,
+    pub id: LinkId,
     /// The gateway's id from its hello, for logs.
     pub gateway: std::sync::Mutex<String>,
     tx: mpsc::Sender<BrokerMessage>,
@@ -59,9 +61,9 @@ impl Link {
     /// on the job path, the answer is not. Refused when the link is full or gone.
     pub fn send_push(
         self: &Arc<Self>,
-        stream_id: u64,
+        stream_id: StreamId,
         partition: PartitionId,
-        lease: u64,
+        lease: Lease,
         job: ActivatedJob,
     ) -> Result<SentPush, PushOutcome> {
         let push_id = self.next_push.fetch_add(1, Ordering::Relaxed);
@@ -70,9 +72,9 @@ impl Link {
         let msg = BrokerMessage {
             kind: Some(broker_message::Kind::Push(PushJob {
                 push_id,
-                stream_id,
+                stream_id: stream_id.0,
                 partition_id: partition.0,
-                lease,
+                lease: lease.0,
                 job: Some(job.into()),
             })),
         };
@@ -237,7 +239,7 @@ pub struct JobStreamRegistry {
     streams: DashMap<String, Vec<Logical>>,
     /// Credit per recipient; a recipient without a report has none.
     credits: DashMap<Recipient, Credit>,
-    links: DashMap<u64, Arc<Link>>,
+    links: DashMap<LinkId, Arc<Link>>,
     next_link: AtomicU64,
     /// Gateway hellos heard so far, and the number of each gateway's last one.
     hellos: AtomicU64,
@@ -265,7 +267,7 @@ impl JobStreamRegistry {
     /// A new link; its messages toward the gateway come out of the returned receiver.
     pub fn add_link(&self) -> (Arc<Link>, mpsc::Receiver<BrokerMessage>) {
         let (tx, rx) = mpsc::channel(LINK_QUEUE);
-        let id = self.next_link.fetch_add(1, Ordering::Relaxed) + 1;
+        let id = LinkId(self.next_link.fetch_add(1, Ordering::Relaxed) + 1);
         let link = Arc::new(Link {
             id,
             gateway: std::sync::Mutex::new(String::new()),
@@ -284,7 +286,7 @@ impl JobStreamRegistry {
     /// A gateway that said it leaves ([`Self::leaving`]) had no client left: the
     /// pushes it never answered reached none, and end as refused ("gateway_left"),
     /// to be tried elsewhere or yielded, not left to their deadlines.
-    pub fn remove_link(&self, id: u64) {
+    pub fn remove_link(&self, id: LinkId) {
         if let Some((_, link)) = self.links.remove(&id) {
             if self.left(&link.gateway_id()) {
                 let unanswered: Vec<u64> = link.pending.iter().map(|e| *e.key()).collect();
@@ -306,7 +308,7 @@ impl JobStreamRegistry {
         self.update_gauge();
     }
 
-    pub fn link(&self, id: u64) -> Option<Arc<Link>> {
+    pub fn link(&self, id: LinkId) -> Option<Arc<Link>> {
         self.links.get(&id).map(|l| l.clone())
     }
 
@@ -318,7 +320,7 @@ impl JobStreamRegistry {
         &self,
         r: &Recipient,
         partition: PartitionId,
-        lease: u64,
+        lease: Lease,
         job: ActivatedJob,
     ) -> Option<Result<SentPush, PushOutcome>> {
         let sent = self
@@ -375,7 +377,7 @@ impl JobStreamRegistry {
     }
 
     /// The id the gateway of link `id` gave in its hello ("" before it).
-    fn gateway_of(&self, id: u64) -> String {
+    fn gateway_of(&self, id: LinkId) -> String {
         self.links
             .get(&id)
             .map(|l| l.gateway_id())
@@ -399,7 +401,7 @@ impl JobStreamRegistry {
     }
 
     /// A gateway's aggregated stream can take jobs.
-    pub fn register(&self, link: u64, stream_id: u64, props: ActivationProps) {
+    pub fn register(&self, link: LinkId, stream_id: StreamId, props: ActivationProps) {
         let recipient = Recipient { link, stream_id };
         let mut logicals = self.streams.entry(props.job_type.clone()).or_default();
         match logicals.iter_mut().find(|l| l.props == props) {
@@ -417,7 +419,7 @@ impl JobStreamRegistry {
         self.update_gauge();
     }
 
-    pub fn unregister(&self, link: u64, stream_id: u64) {
+    pub fn unregister(&self, link: LinkId, stream_id: StreamId) {
         let gone = Recipient { link, stream_id };
         self.credits.remove(&gone);
         self.streams.retain(|_, logicals| {
@@ -517,7 +519,13 @@ impl JobStreamRegistry {
     /// than before: jobs that waited for credit can be back-filled. (Any increase, not
     /// only from none: jobs can wait while a little credit is left, when a command
     /// needed more than there was.)
-    pub fn report_credit(&self, link: u64, stream_id: u64, share: u64, received: u64) -> bool {
+    pub fn report_credit(
+        &self,
+        link: LinkId,
+        stream_id: StreamId,
+        share: u64,
+        received: u64,
+    ) -> bool {
         let r = Recipient { link, stream_id };
         let mut c = self.credits.entry(r).or_default();
         let before = c.available();
@@ -563,7 +571,7 @@ impl JobStreamRegistry {
     }
 
     /// The properties of a gateway's stream, if registered.
-    pub fn props_of(&self, link: u64, stream_id: u64) -> Option<ActivationProps> {
+    pub fn props_of(&self, link: LinkId, stream_id: StreamId) -> Option<ActivationProps> {
         let r = Recipient { link, stream_id };
         self.streams.iter().find_map(|e| {
             e.value()

@@ -21,7 +21,7 @@ fn the_streams_gauge_counts_registrations_made_at_once() {
     let reg = Arc::new(JobStreamRegistry::for_node(90_001));
     // Many job types, so that counting them takes a while.
     for i in 0..2000 {
-        reg.register(99, i, props(&format!("filler-{i}"), "w"));
+        reg.register(LinkId(99), StreamId(i), props(&format!("filler-{i}"), "w"));
     }
     let barrier = Arc::new(std::sync::Barrier::new(THREADS as usize + 1));
     let threads: Vec<_> = (0..THREADS)
@@ -30,7 +30,7 @@ fn the_streams_gauge_counts_registrations_made_at_once() {
             std::thread::spawn(move || {
                 for i in 0..ROUNDS {
                     barrier.wait();
-                    reg.register(t + 1, i, props("a", "w"));
+                    reg.register(LinkId(t + 1), StreamId(i), props("a", "w"));
                     barrier.wait();
                 }
             })
@@ -73,14 +73,17 @@ fn lookups_find_streams_by_type_and_tenant_and_take_turns() {
     let (l1, _rx1) = reg.add_link();
     let (l2, _rx2) = reg.add_link();
     assert!(reg.lookup("a", DEFAULT_TENANT, 1).is_none());
-    reg.register(l1.id, 10, props("a", "w"));
-    reg.register(l2.id, 20, props("a", "w"));
+    reg.register(l1.id, StreamId(10), props("a", "w"));
+    reg.register(l2.id, StreamId(20), props("a", "w"));
     assert!(
         reg.lookup("a", DEFAULT_TENANT, 1).is_none(),
         "no credit reported yet"
     );
-    assert!(reg.report_credit(l1.id, 10, 100, 0), "first credit");
-    assert!(reg.report_credit(l2.id, 20, 100, 0));
+    assert!(
+        reg.report_credit(l1.id, StreamId(10), 100, 0),
+        "first credit"
+    );
+    assert!(reg.report_credit(l2.id, StreamId(20), 100, 0));
     assert!(reg.lookup("b", DEFAULT_TENANT, 1).is_none());
     assert!(reg.lookup("a", "acme", 1).is_none(), "other tenant");
     let mut seen = std::collections::BTreeSet::new();
@@ -93,18 +96,18 @@ fn lookups_find_streams_by_type_and_tenant_and_take_turns() {
     // Both gateways get turns.
     assert_eq!(
         seen.into_iter().collect::<Vec<_>>(),
-        vec![10, 20],
+        vec![StreamId(10), StreamId(20)],
         "both gateways get turns"
     );
     let first = Recipient {
         link: l1.id,
-        stream_id: 10,
+        stream_id: StreamId(10),
     };
     assert_eq!(
         reg.others(&props("a", "w"), &first),
         vec![Recipient {
             link: l2.id,
-            stream_id: 20
+            stream_id: StreamId(20)
         }]
     );
 }
@@ -113,15 +116,15 @@ fn lookups_find_streams_by_type_and_tenant_and_take_turns() {
 fn streams_with_room_are_those_of_the_type_and_tenant_with_credit() {
     let reg = JobStreamRegistry::default();
     let (l1, _rx1) = reg.add_link();
-    reg.register(l1.id, 1, props("a", "w1"));
-    reg.register(l1.id, 2, props("a", "w2"));
-    reg.register(l1.id, 3, props("b", "w1"));
+    reg.register(l1.id, StreamId(1), props("a", "w1"));
+    reg.register(l1.id, StreamId(2), props("a", "w2"));
+    reg.register(l1.id, StreamId(3), props("b", "w1"));
     assert!(
         reg.streams_with_room("a", DEFAULT_TENANT).is_empty(),
         "no credit yet"
     );
-    reg.report_credit(l1.id, 2, 1, 0);
-    reg.report_credit(l1.id, 3, 1, 0);
+    reg.report_credit(l1.id, StreamId(2), 1, 0);
+    reg.report_credit(l1.id, StreamId(3), 1, 0);
     assert_eq!(
         reg.streams_with_room("a", DEFAULT_TENANT),
         vec![props("a", "w2")]
@@ -145,11 +148,11 @@ fn a_link_that_ends_takes_its_streams_with_it() {
     let reg = JobStreamRegistry::default();
     let (l1, _rx1) = reg.add_link();
     let (l2, _rx2) = reg.add_link();
-    reg.register(l1.id, 1, props("a", "w"));
-    reg.register(l1.id, 2, props("b", "w"));
-    reg.register(l2.id, 1, props("a", "w"));
+    reg.register(l1.id, StreamId(1), props("a", "w"));
+    reg.register(l1.id, StreamId(2), props("b", "w"));
+    reg.register(l2.id, StreamId(1), props("a", "w"));
     for (l, s) in [(l1.id, 1), (l1.id, 2), (l2.id, 1)] {
-        reg.report_credit(l, s, 10, 0);
+        reg.report_credit(l, StreamId(s), 10, 0);
     }
     reg.remove_link(l1.id);
     assert!(reg.lookup("b", DEFAULT_TENANT, 1).is_none());
@@ -158,7 +161,7 @@ fn a_link_that_ends_takes_its_streams_with_it() {
         .expect("l2 still has one");
     assert_eq!(t.recipient.link, l2.id);
     assert!(reg.link(l1.id).is_none());
-    reg.unregister(l2.id, 1);
+    reg.unregister(l2.id, StreamId(1));
     assert!(reg.lookup("a", DEFAULT_TENANT, 1).is_none());
     assert!(reg.all_props().is_empty());
 }
@@ -167,12 +170,12 @@ fn a_link_that_ends_takes_its_streams_with_it() {
 fn credit_is_held_refunded_and_reconciled_with_the_gateways_count() {
     let reg = JobStreamRegistry::default();
     let (l, _rx) = reg.add_link();
-    reg.register(l.id, 1, props("a", "w"));
+    reg.register(l.id, StreamId(1), props("a", "w"));
     let r = Recipient {
         link: l.id,
-        stream_id: 1,
+        stream_id: StreamId(1),
     };
-    assert!(reg.report_credit(l.id, 1, 5, 0));
+    assert!(reg.report_credit(l.id, StreamId(1), 5, 0));
     // A command for 3 jobs holds 3; the next may hold the 2 left, then none.
     assert_eq!(reg.lookup("a", DEFAULT_TENANT, 3).map(|t| t.max), Some(3));
     assert_eq!(reg.lookup("a", DEFAULT_TENANT, 3).map(|t| t.max), Some(2));
@@ -186,11 +189,14 @@ fn credit_is_held_refunded_and_reconciled_with_the_gateways_count() {
     assert_eq!(reg.lookup("a", DEFAULT_TENANT, 9).map(|t| t.max), Some(2));
     // 5 sent; the gateway saw 4 of them and has 1 free of its share 2: 1 push is
     // on its way, so nothing is free here.
-    assert!(!reg.report_credit(l.id, 1, 1, 4), "no more than before");
+    assert!(
+        !reg.report_credit(l.id, StreamId(1), 1, 4),
+        "no more than before"
+    );
     assert!(reg.lookup("a", DEFAULT_TENANT, 1).is_none());
     // It saw all 5 and 3 finished: 3 free, after none.
     assert!(
-        reg.report_credit(l.id, 1, 3, 5),
+        reg.report_credit(l.id, StreamId(1), 3, 5),
         "credit after none: back-fill"
     );
     assert_eq!(reg.lookup("a", DEFAULT_TENANT, 9).map(|t| t.max), Some(3));
@@ -201,10 +207,10 @@ fn recipients_with_credit_take_turns_whatever_their_credit() {
     let reg = JobStreamRegistry::default();
     let (l1, _rx1) = reg.add_link();
     let (l2, _rx2) = reg.add_link();
-    reg.register(l1.id, 1, props("a", "w"));
-    reg.register(l2.id, 1, props("a", "w2"));
-    reg.report_credit(l1.id, 1, 2, 0);
-    reg.report_credit(l2.id, 1, 7, 0);
+    reg.register(l1.id, StreamId(1), props("a", "w"));
+    reg.register(l2.id, StreamId(1), props("a", "w2"));
+    reg.report_credit(l1.id, StreamId(1), 2, 0);
+    reg.report_credit(l2.id, StreamId(1), 7, 0);
     let workers: Vec<String> = (0..6)
         .map(|_| {
             let t = reg.lookup("a", DEFAULT_TENANT, 1).expect("credit");
@@ -231,7 +237,7 @@ async fn pushes_end_with_the_gateways_answer_or_unknown() {
     let job = job_one();
     // Sent, then the gateway's answer (or none), as the leader's pushes are.
     let push = |link: &Arc<Link>, lease: u64, job: ActivatedJob| {
-        let sent = link.send_push(9, PartitionId(2), lease, job);
+        let sent = link.send_push(StreamId(9), PartitionId(2), Lease(lease), job);
         async move {
             match sent {
                 Ok(sent) => sent.outcome().await,
@@ -335,26 +341,26 @@ async fn a_held_query_gets_its_own_answer_or_none_when_the_link_ends() {
 fn a_push_that_cannot_be_queued_gives_its_credit_back() {
     let reg = JobStreamRegistry::default();
     let (link, rx) = reg.add_link();
-    reg.register(link.id, 1, props("a", "w"));
-    assert!(reg.report_credit(link.id, 1, 1, 0));
+    reg.register(link.id, StreamId(1), props("a", "w"));
+    assert!(reg.report_credit(link.id, StreamId(1), 1, 0));
     let job = job_one();
     let t = reg.lookup("a", DEFAULT_TENANT, 1).expect("credit");
     assert!(reg.lookup("a", DEFAULT_TENANT, 1).is_none(), "held");
     // The link's queue is gone (as when full): the push is refused here, and
     // the recipient may be pushed to again.
     drop(rx);
-    let sent = reg.send_push(&t.recipient, PartitionId(1), 1, job.clone());
+    let sent = reg.send_push(&t.recipient, PartitionId(1), Lease(1), job.clone());
     assert!(matches!(sent, Some(Err(PushOutcome::Refused(ref r))) if r == "link_gone"));
     let t = reg
         .lookup("a", DEFAULT_TENANT, 1)
         .expect("credit given back");
     // A push that was queued keeps its credit until the gateway reports it.
     let (link2, _rx2) = reg.add_link();
-    reg.register(link2.id, 1, props("b", "w"));
-    reg.report_credit(link2.id, 1, 1, 0);
+    reg.register(link2.id, StreamId(1), props("b", "w"));
+    reg.report_credit(link2.id, StreamId(1), 1, 0);
     let t2 = reg.lookup("b", DEFAULT_TENANT, 1).expect("credit");
     assert!(matches!(
-        reg.send_push(&t2.recipient, PartitionId(1), 1, job),
+        reg.send_push(&t2.recipient, PartitionId(1), Lease(1), job),
         Some(Ok(_))
     ));
     assert!(reg.lookup("b", DEFAULT_TENANT, 1).is_none());

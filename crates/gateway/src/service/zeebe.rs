@@ -128,7 +128,7 @@ impl Gateway for GatewayService {
             .await;
         let client = self.0.streams.join_holding(props, credit, &held);
         tracing::debug!(
-            stream_id = client.stream_id(),
+            stream_id = %client.stream_id(),
             credit = client.credit(),
             job_type = loggable(&job_type),
             worker = loggable(&worker),

@@ -7,7 +7,12 @@ impl AggregatedStreams {
     /// Removes a client; its buffered jobs go to the stream's other clients or back to
     /// the brokers that pushed them. Jobs it was already given stay counted against
     /// the gateway until they finish, since its worker may still be running them.
-    pub(super) fn leave(&self, stream_id: u64, client_id: u64, rx: &mut mpsc::Receiver<Buffered>) {
+    pub(super) fn leave(
+        &self,
+        stream_id: StreamId,
+        client_id: ClientId,
+        rx: &mut mpsc::Receiver<Buffered>,
+    ) {
         let mut st = self.lock();
         let Some(client) = st.clients.remove(&client_id) else {
             return;
@@ -81,8 +86,8 @@ impl AggregatedStreams {
         }
         metrics::stale_jobs_dropped(stale);
         tracing::debug!(
-            stream_id,
-            client_id,
+            %stream_id,
+            %client_id,
             clients_left = left,
             moved,
             yielded,
@@ -108,7 +113,7 @@ impl AggregatedStreams {
             metrics::aggregated_streams(-1);
             let unregister = GatewayMessage {
                 kind: Some(gateway_message::Kind::Unregister(UnregisterStream {
-                    stream_id,
+                    stream_id: stream_id.0,
                 })),
             };
             st.broadcast(&unregister, "unregister");
@@ -123,7 +128,13 @@ impl AggregatedStreams {
     /// (it timed out, finished elsewhere, or was pushed again): its credit already came
     /// back, and running it would run it twice or after its end. `starved`: the
     /// stream's last report was held down by this client's buffer, so it reports again.
-    pub(super) fn take(&self, stream_id: u64, client_id: u64, b: &Buffered, starved: bool) -> bool {
+    pub(super) fn take(
+        &self,
+        stream_id: StreamId,
+        client_id: ClientId,
+        b: &Buffered,
+        starved: bool,
+    ) -> bool {
         let mut st = self.lock();
         let key = b.key();
         let current = st.holds(key, Holder::Client(client_id), b.lease);
@@ -131,7 +142,7 @@ impl AggregatedStreams {
             metrics::stale_jobs_dropped(1);
             tracing::debug!(
                 job = %key,
-                client_id,
+                %client_id,
                 "activation ended while buffered; dropped"
             );
         }
@@ -169,8 +180,8 @@ impl Drop for Finishing {
 /// away) removes the client at once.
 pub struct ClientStream {
     pub(super) streams: Arc<AggregatedStreams>,
-    pub(super) stream_id: u64,
-    pub(super) client_id: u64,
+    pub(super) stream_id: StreamId,
+    pub(super) client_id: ClientId,
     pub(super) credit: u32,
     pub(super) rx: mpsc::Receiver<Buffered>,
     pub(super) starved: Arc<AtomicBool>,
@@ -178,7 +189,7 @@ pub struct ClientStream {
 
 impl ClientStream {
     /// The aggregated stream this client belongs to.
-    pub fn stream_id(&self) -> u64 {
+    pub fn stream_id(&self) -> StreamId {
         self.stream_id
     }
 

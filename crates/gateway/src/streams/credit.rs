@@ -4,7 +4,7 @@
 use super::*;
 
 /// The free credit of stream `s`: its clients' and its spare room's.
-pub(super) fn free_of(clients: &HashMap<u64, Client>, s: &Aggregated) -> u64 {
+pub(super) fn free_of(clients: &HashMap<ClientId, Client>, s: &Aggregated) -> u64 {
     let of_clients: u64 = s
         .clients
         .iter()
@@ -57,7 +57,11 @@ pub(super) fn believed(seen: &LinkStream) -> u64 {
 }
 
 /// Whether broker `node`, linked, believes it may push nothing more for stream `id`.
-pub(super) fn told_no_credit(links: &HashMap<NodeId, LinkEntry>, node: NodeId, id: u64) -> bool {
+pub(super) fn told_no_credit(
+    links: &HashMap<NodeId, LinkEntry>,
+    node: NodeId,
+    id: StreamId,
+) -> bool {
     links
         .get(&node)
         .is_some_and(|l| l.streams.get(&id).is_none_or(|seen| believed(seen) == 0))

@@ -44,7 +44,7 @@ impl AggregatedStreams {
     /// Sends every dirty stream's changed reports.
     pub(super) fn flush(&self) {
         let mut st = self.lock();
-        let dirty: Vec<u64> = st.dirty.drain().collect();
+        let dirty: Vec<StreamId> = st.dirty.drain().collect();
         st.report(&dirty);
     }
 
@@ -105,7 +105,7 @@ impl AggregatedStreams {
         // stream now, behind the registrations. The new link changes the split, so
         // the other links hear their new shares too.
         st.mark_all_dirty();
-        let all: Vec<u64> = st.dirty.drain().collect();
+        let all: Vec<StreamId> = st.dirty.drain().collect();
         st.report(&all);
         self.wake_if_dirty(&st);
         let link = AttachedLink {
@@ -129,10 +129,10 @@ impl AggregatedStreams {
     }
 }
 
-pub(super) fn register(stream_id: u64, props: &ActivationProps) -> GatewayMessage {
+pub(super) fn register(stream_id: StreamId, props: &ActivationProps) -> GatewayMessage {
     GatewayMessage {
         kind: Some(gateway_message::Kind::Register(RegisterStream {
-            stream_id,
+            stream_id: stream_id.0,
             props: Some(StreamProps::from(props)),
         })),
     }

@@ -57,7 +57,7 @@ use courier_proto::cluster::{
     gateway_message, GatewayMessage, HeldAnswer, HeldQuery, PushAck, PushJob, RegisterStream,
     StreamCredit, StreamProps, UnregisterStream, YieldJob,
 };
-use courier_proto::domain::{ActivationProps, JobKey, NodeId};
+use courier_proto::domain::{ActivationProps, JobKey, Lease, NodeId, StreamId};
 use courier_proto::gateway_protocol as gw;
 use courier_proto::sync::lock;
 use futures::Stream;
@@ -144,11 +144,21 @@ pub struct Limits {
     pub spare_percent: u32,
 }
 
+/// A client stream at this gateway, numbered in order of arrival.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ClientId(u64);
+
+impl std::fmt::Display for ClientId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// Who holds a pushed job at this gateway.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Holder {
     /// A client (that may have left: the job still counts against the gateway).
-    Client(u64),
+    Client(ClientId),
     /// Its stream's spare room, until a client frees credit.
     Spare,
 }
@@ -160,7 +170,7 @@ struct Buffered {
     /// The broker that pushed it, for the logs (a yield goes to every broker).
     node: NodeId,
     partition: u32,
-    lease: u64,
+    lease: Lease,
 }
 
 impl Buffered {
@@ -195,7 +205,7 @@ impl Client {
 struct Aggregated {
     props: ActivationProps,
     /// Client ids, in the order the rotation visits them.
-    clients: Vec<u64>,
+    clients: Vec<ClientId>,
     /// Where the next search for the client with the most credit starts, so ties
     /// go round.
     next: usize,
@@ -236,11 +246,11 @@ impl Aggregated {
 
 /// A pushed job counted against a client until it finishes.
 struct Held {
-    stream_id: u64,
+    stream_id: StreamId,
     holder: Holder,
     /// The activation held; `None` for a job a joining client declared it holds
     /// (the client does not know which activation it has).
-    lease: Option<u64>,
+    lease: Option<Lease>,
     /// When the activation times out, in the gateway's clock.
     deadline: Instant,
     /// Variables and custom headers.
@@ -272,7 +282,7 @@ struct LinkEntry {
     /// the broker's view is rebuilt from scratch.
     broken: CancellationToken,
     /// Per stream id; starts empty with each connection, as the broker's view does.
-    streams: HashMap<u64, LinkStream>,
+    streams: HashMap<StreamId, LinkStream>,
 }
 
 /// `ActivationProps` as a map key. Its fetch variables and tenant ids arrive sorted
@@ -293,9 +303,9 @@ impl Hash for PropsKey {
 
 struct State {
     limits: Limits,
-    by_props: HashMap<PropsKey, u64>,
-    streams: HashMap<u64, Aggregated>,
-    clients: HashMap<u64, Client>,
+    by_props: HashMap<PropsKey, StreamId>,
+    streams: HashMap<StreamId, Aggregated>,
+    clients: HashMap<ClientId, Client>,
     links: HashMap<NodeId, LinkEntry>,
     /// Job key -> its hand-off, so finishing is O(1).
     held: HashMap<JobKey, Held>,
@@ -303,7 +313,7 @@ struct State {
     /// through this gateway now (see [`Finishing`]).
     finishing: HashMap<JobKey, u32>,
     /// (job key, lease) a leader was told this gateway does not hold, and when.
-    disowned: HashMap<(JobKey, u64), Instant>,
+    disowned: HashMap<(JobKey, Lease), Instant>,
     /// (deadline, job key) of every held job, earliest first.
     deadlines: BTreeSet<(Instant, JobKey)>,
     inflight_bytes: usize,
@@ -311,10 +321,10 @@ struct State {
     /// reports say no room, so brokers do not keep pushing into a full gateway.
     full: bool,
     /// Streams whose reports must be recomputed.
-    dirty: HashSet<u64>,
+    dirty: HashSet<StreamId>,
     /// Streams whose last report was cut down to the gateway's headroom: credit
     /// released anywhere changes theirs too.
-    capped: HashSet<u64>,
+    capped: HashSet<StreamId>,
     /// Partitions led per broker: the weights of the credit split.
     leaders: BTreeMap<NodeId, u32>,
     last_stream: u64,
@@ -382,13 +392,13 @@ impl AggregatedStreams {
         let credit = credit.unwrap_or(st.limits.client_credit).max(1);
         let (tx, rx) = mpsc::channel(usize::try_from(credit).unwrap_or(usize::MAX));
         st.last_client += 1;
-        let client_id = st.last_client;
+        let client_id = ClientId(st.last_client);
         let key = PropsKey(props);
         let stream_id = match st.by_props.get(&key) {
             Some(&id) => id,
             None => {
                 st.last_stream += 1;
-                let id = st.last_stream;
+                let id = StreamId(st.last_stream);
                 let register = register(id, &key.0);
                 st.streams.insert(
                     id,
@@ -431,8 +441,8 @@ impl AggregatedStreams {
         let adopted = st.adopt(stream_id, client_id, held);
         if adopted > 0 {
             tracing::debug!(
-                stream_id,
-                client_id,
+                %stream_id,
+                %client_id,
                 adopted,
                 declared = held.len(),
                 "a joining client already holds jobs: counted against its credit"
@@ -469,10 +479,10 @@ impl AggregatedStreams {
             job: Box::new(job),
             node,
             partition: push.partition_id,
-            lease: push.lease,
+            lease: Lease(push.lease),
         };
         let mut st = self.lock();
-        let outcome = st.accept(node, conn, push.stream_id, buffered);
+        let outcome = st.accept(node, conn, StreamId(push.stream_id), buffered);
         self.wake_if_dirty(&st);
         drop(st);
         let refused = match outcome {
@@ -494,7 +504,7 @@ impl AggregatedStreams {
 
     /// A broker says activation `lease` of job `key` ended: its credit comes back.
     /// Unknown keys and other activations' leases are ignored, so this is idempotent.
-    pub fn finished(&self, key: JobKey, lease: u64) {
+    pub fn finished(&self, key: JobKey, lease: Lease) {
         let mut st = self.lock();
         if st.held.get(&key).is_some_and(|h| h.lease == Some(lease)) {
             st.release(key);
@@ -541,7 +551,7 @@ impl AggregatedStreams {
         for j in q.jobs {
             let key = JobKey(j.key);
             let (holds, spare) = match st.held.get(&key) {
-                Some(h) if h.lease == Some(j.lease) => (true, h.holder == Holder::Spare),
+                Some(h) if h.lease == Some(Lease(j.lease)) => (true, h.holder == Holder::Spare),
                 // A worker that came back (its gateway restarted, say) runs it: the
                 // activation asked about is the one it was handed, or the job would
                 // not be activated through a gateway that is gone.
@@ -555,7 +565,7 @@ impl AggregatedStreams {
             if (holds && !spare) || st.finishing.contains_key(&key) {
                 held.push(j);
             } else {
-                st.disowned.insert((key, j.lease), now);
+                st.disowned.insert((key, Lease(j.lease)), now);
             }
         }
         self.wake_if_dirty(&st);

@@ -46,7 +46,7 @@ impl State {
     /// Gives back the spare jobs of every stream whose oldest spare job has waited
     /// [`SPARE_WAIT`] for a client with room, and pauses its spare room.
     pub(super) fn yield_waited_spare(&mut self, now: Instant) {
-        let waited: Vec<u64> = self
+        let waited: Vec<StreamId> = self
             .streams
             .iter()
             .filter(|(_, s)| {
@@ -83,7 +83,7 @@ impl State {
         &mut self,
         node: NodeId,
         conn: u64,
-        stream_id: u64,
+        stream_id: StreamId,
         b: Buffered,
     ) -> Result<(), &'static str> {
         if !self.streams.contains_key(&stream_id) {
@@ -163,7 +163,12 @@ impl State {
 
     /// Counts jobs a joining client already holds against its credit (see
     /// [`AggregatedStreams::join_holding`]); returns how many.
-    pub(super) fn adopt(&mut self, stream_id: u64, client_id: u64, jobs: &[(JobKey, i64)]) -> u32 {
+    pub(super) fn adopt(
+        &mut self,
+        stream_id: StreamId,
+        client_id: ClientId,
+        jobs: &[(JobKey, i64)],
+    ) -> u32 {
         let now = Instant::now();
         let timeout_ms = self
             .streams
@@ -227,7 +232,7 @@ impl State {
 
     /// Whether job `key`'s activation `lease` is held by `holder`. False once that
     /// activation ended here.
-    pub(super) fn holds(&self, key: JobKey, holder: Holder, lease: u64) -> bool {
+    pub(super) fn holds(&self, key: JobKey, holder: Holder, lease: Lease) -> bool {
         self.held
             .get(&key)
             .is_some_and(|h| h.holder == holder && h.lease == Some(lease))
@@ -238,7 +243,7 @@ impl State {
     /// True when kept.
     pub(super) fn keep_spare(
         &mut self,
-        stream_id: u64,
+        stream_id: StreamId,
         key: JobKey,
         b: Buffered,
         reason: &'static str,
@@ -260,7 +265,7 @@ impl State {
 
     /// Puts a job in its stream's spare room when the stream has clients and room;
     /// gives it back otherwise.
-    pub(super) fn put_spare(&mut self, stream_id: u64, b: Buffered) -> Result<(), Buffered> {
+    pub(super) fn put_spare(&mut self, stream_id: StreamId, b: Buffered) -> Result<(), Buffered> {
         match self
             .streams
             .get_mut(&stream_id)
@@ -277,7 +282,7 @@ impl State {
     }
 
     /// Hands the stream's spare jobs, oldest first, to clients with free credit.
-    pub(super) fn drain_spare(&mut self, stream_id: u64) {
+    pub(super) fn drain_spare(&mut self, stream_id: StreamId) {
         loop {
             let Some(b) = self
                 .streams
@@ -330,9 +335,9 @@ impl State {
     /// counts it against that client; says which client took it.
     pub(super) fn offer(
         &mut self,
-        stream_id: u64,
+        stream_id: StreamId,
         job: Buffered,
-    ) -> Result<u64, (Buffered, &'static str)> {
+    ) -> Result<ClientId, (Buffered, &'static str)> {
         let Some(stream) = self.streams.get_mut(&stream_id) else {
             return Err((job, UNKNOWN_STREAM));
         };
@@ -359,7 +364,7 @@ impl State {
         // Cannot fail: the client had room in its buffer (checked under this lock,
         // and only we send), and its receiver lives while it is listed.
         if let Err(e) = client.tx.try_send(job) {
-            tracing::warn!(client_id, "a client with credit could not take a job");
+            tracing::warn!(%client_id, "a client with credit could not take a job");
             metrics::push_try_next();
             return Err((e.into_inner(), CLIENTS_FULL));
         }
@@ -405,7 +410,7 @@ impl State {
     }
 
     /// Recomputes the credit reports of `ids` and sends each link those that changed.
-    pub(super) fn report(&mut self, ids: &[u64]) {
+    pub(super) fn report(&mut self, ids: &[StreamId]) {
         let mut nodes: Vec<NodeId> = self.links.keys().copied().collect();
         if nodes.is_empty() {
             return;
@@ -484,7 +489,7 @@ impl State {
                 }
                 let msg = GatewayMessage {
                     kind: Some(gateway_message::Kind::Credit(StreamCredit {
-                        stream_id: id,
+                        stream_id: id.0,
                         free: share,
                         received: seen.received,
                     })),
@@ -509,7 +514,7 @@ impl State {
             kind: Some(gateway_message::Kind::YieldJob(YieldJob {
                 partition_id: b.partition,
                 key: b.job.key,
-                lease: b.lease,
+                lease: b.lease.0,
             })),
         };
         // To every broker, not only the one that pushed it: leadership may have

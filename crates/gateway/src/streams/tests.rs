@@ -51,10 +51,10 @@ fn long_t() -> ActivationProps {
 
 /// A push of job `key`, activation lease `key + 500`, without a deadline (held
 /// for the stream's 1 s timeout).
-fn push(stream_id: u64, key: i64) -> PushJob {
+fn push(stream_id: StreamId, key: i64) -> PushJob {
     PushJob {
         push_id: key as u64 + 1000,
-        stream_id,
+        stream_id: stream_id.0,
         partition_id: 1,
         lease: key as u64 + 500,
         job: Some(gw::ActivatedJob {
@@ -64,8 +64,8 @@ fn push(stream_id: u64, key: i64) -> PushJob {
     }
 }
 
-fn lease(key: i64) -> u64 {
-    key as u64 + 500
+fn lease(key: i64) -> Lease {
+    Lease(key as u64 + 500)
 }
 
 use courier_proto::domain::epoch_ms;
@@ -85,11 +85,11 @@ fn drain(rx: &mut mpsc::Receiver<GatewayMessage>) -> Vec<Kind> {
 
 /// The credit reports queued on a link so far: (stream, free, received); any
 /// other message fails the test.
-fn reports(rx: &mut mpsc::Receiver<GatewayMessage>) -> Vec<(u64, u32, u64)> {
+fn reports(rx: &mut mpsc::Receiver<GatewayMessage>) -> Vec<(StreamId, u32, u64)> {
     drain(rx)
         .into_iter()
         .map(|k| match k {
-            Kind::Credit(c) => (c.stream_id, c.free, c.received),
+            Kind::Credit(c) => (StreamId(c.stream_id), c.free, c.received),
             other => panic!("not a credit report: {other:?}"),
         })
         .collect()
@@ -171,7 +171,7 @@ fn streams_are_registered_with_every_link_on_first_join_and_unregistered_on_last
     for rx in [&mut rx1, &mut rx2] {
         match &drain(rx)[..] {
             [Kind::Register(r)] => {
-                assert_eq!(r.stream_id, id);
+                assert_eq!(StreamId(r.stream_id), id);
                 assert_eq!(r.props, Some(StreamProps::from(&t())));
             }
             other => panic!("{other:?}"),
@@ -197,10 +197,10 @@ fn streams_are_registered_with_every_link_on_first_join_and_unregistered_on_last
         .collect();
     registered.sort();
     assert_eq!(registered, ["t", "u"]);
-    let mut credited: Vec<u64> = got[3..]
+    let mut credited: Vec<StreamId> = got[3..]
         .iter()
         .map(|k| match k {
-            Kind::Credit(c) => c.stream_id,
+            Kind::Credit(c) => StreamId(c.stream_id),
             other => panic!("{other:?}"),
         })
         .collect();
@@ -214,7 +214,7 @@ fn streams_are_registered_with_every_link_on_first_join_and_unregistered_on_last
     drop(b);
     for rx in [&mut rx1, &mut rx2] {
         match &drain(rx)[..] {
-            [Kind::Unregister(u)] => assert_eq!(u.stream_id, id),
+            [Kind::Unregister(u)] => assert_eq!(StreamId(u.stream_id), id),
             other => panic!("{other:?}"),
         }
     }
@@ -322,7 +322,7 @@ fn a_new_leader_hears_which_pushes_are_held_here_or_finishing_through_here() {
 fn a_job_in_the_spare_room_is_given_up_to_the_leader_that_asks() {
     // Job 1 handed to the client, 2 and 3 in the spare room.
     let (s, _l, _rx, mut a) = one_full_client_and_two_spare_jobs();
-    assert_eq!(held_of(&s, &[(1, lease(1)), (2, lease(2))]), [1]);
+    assert_eq!(held_of(&s, &[(1, lease(1).0), (2, lease(2).0)]), [1]);
     // The other spare job still goes to the first client that frees credit;
     // the one given up never does.
     drop(s.finished_here(JobKey(1), Instant::now()));
@@ -452,8 +452,8 @@ fn a_job_finished_through_this_gateway_or_any_other_frees_one_credit() {
     // The worker has them.
     assert_eq!(keys(&mut a), [1, 2]);
     // JobFinished: only for the activation held, and only once.
-    s.finished(JobKey(1), lease(1) + 1);
-    s.finished(JobKey(99), 1);
+    s.finished(JobKey(1), Lease(lease(1).0 + 1));
+    s.finished(JobKey(99), Lease(1));
     assert_eq!(ack(&l, push(id, 3)), refused(CLIENTS_FULL));
     s.finished(JobKey(1), lease(1));
     assert_eq!(ack(&l, push(id, 3)), ok());
@@ -644,7 +644,7 @@ fn each_link_hears_its_share_of_the_streams_free_credit() {
                     })
                     .collect();
                 match got[..] {
-                    [(sid, free, 0)] if sid == id => free,
+                    [(sid, free, 0)] if StreamId(sid) == id => free,
                     // Nothing sent: unchanged, or not worth reporting yet.
                     [] => 0,
                     _ => panic!("{got:?}"),
@@ -760,7 +760,7 @@ fn a_broker_whose_jobs_wait_for_credit_gets_the_next_free_credit_and_keeps_its_d
         for (i, rx) in rxs.iter_mut().enumerate() {
             for k in drain(rx) {
                 if let Kind::Credit(c) = k {
-                    assert_eq!(c.stream_id, id);
+                    assert_eq!(StreamId(c.stream_id), id);
                     told[i] = c.free;
                 }
             }
@@ -883,7 +883,7 @@ fn credit_that_grew_is_reported_once_the_brokers_view_falls_to_half_of_it() {
     assert_eq!(reports(&mut rx1), [(id, 3, 29)]);
     assert!(drain(&mut rx2)
         .iter()
-        .any(|k| matches!(k, Kind::Credit(c) if c.stream_id == id)));
+        .any(|k| matches!(k, Kind::Credit(c) if StreamId(c.stream_id) == id)));
 }
 
 #[tokio::test(start_paused = true)]
@@ -934,7 +934,7 @@ fn a_reconnected_link_hears_every_report_again_with_its_pushes_counted_afresh() 
     }
     assert_eq!(keys(&mut a), [0, 1, 2]);
     // Refused pushes count as received too.
-    assert_eq!(ack(&l1, push(77, 9)), refused(UNKNOWN_STREAM));
+    assert_eq!(ack(&l1, push(StreamId(77), 9)), refused(UNKNOWN_STREAM));
     drop(s.finished_here(JobKey(0), Instant::now()));
     // Broker 1 has jobs waiting for credit: it hears of every credit that comes back.
     s.jobs_available(1, "t", DEFAULT_TENANT);
@@ -944,8 +944,8 @@ fn a_reconnected_link_hears_every_report_again_with_its_pushes_counted_afresh() 
     let (l1, mut rx1) = s.attach_link(1, hello());
     match &drain(&mut rx1)[..] {
         [Kind::Hello(_), Kind::Register(r), Kind::Credit(c)] => {
-            assert_eq!(r.stream_id, id);
-            assert_eq!((c.stream_id, c.free, c.received), (id, 6, 0));
+            assert_eq!(StreamId(r.stream_id), id);
+            assert_eq!((StreamId(c.stream_id), c.free, c.received), (id, 6, 0));
         }
         other => panic!("{other:?}"),
     }
@@ -993,7 +993,7 @@ fn a_buffered_job_whose_activation_ended_never_reaches_its_client() {
     // While the client has not read them: job 1 timed out and was pushed again
     // under a new lease, job 2 was completed through another gateway.
     let mut again = push(id, 1);
-    again.lease = lease(1) + 1;
+    again.lease = lease(1).0 + 1;
     again.push_id += 1;
     assert_eq!(ack(&l, again), ok());
     s.finished(JobKey(2), lease(2));
@@ -1006,7 +1006,7 @@ fn a_buffered_job_whose_activation_ended_never_reaches_its_client() {
 fn unknown_streams_and_malformed_pushes_are_refused() {
     let s = registry(2);
     let (l, _rx) = s.attach_link(1, hello());
-    assert_eq!(ack(&l, push(77, 1)), refused(UNKNOWN_STREAM));
+    assert_eq!(ack(&l, push(StreamId(77), 1)), refused(UNKNOWN_STREAM));
     let a = s.join(t(), None);
     let id = a.stream_id();
     drop(a);
@@ -1301,7 +1301,7 @@ fn a_job_pushed_again_replaces_its_earlier_activation() {
     // The earlier activation's end is stale; the current one's is not.
     s.finished(JobKey(1), lease(1));
     assert_eq!(s.inflight().0, 1);
-    s.finished(JobKey(1), 9000);
+    s.finished(JobKey(1), Lease(9000));
     assert_eq!(s.inflight().0, 0);
 }
 
