@@ -76,25 +76,37 @@ impl Default for RaftTuning {
     }
 }
 
+/// What is wrong with a broker's configuration.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("node id {node} is not among the brokers {brokers:?}")]
+    NotAmongBrokers { node: NodeId, brokers: Vec<NodeId> },
+    #[error("the cluster needs at least 1 partition")]
+    NoPartitions,
+    #[error("replication factor {factor} must be between 1 and the number of brokers ({brokers})")]
+    ReplicationFactor { factor: u32, brokers: u32 },
+    #[error("raft: {0}")]
+    Raft(String),
+}
+
 impl BrokerConfig {
-    /// Checks the configuration; the message says what is wrong.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Checks the configuration.
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if !self.brokers.contains_key(&self.node_id) {
-            return Err(format!(
-                "node id {} is not among the brokers {:?}",
-                self.node_id,
-                self.brokers.keys().collect::<Vec<_>>()
-            ));
+            return Err(ConfigError::NotAmongBrokers {
+                node: self.node_id,
+                brokers: self.brokers.keys().copied().collect(),
+            });
         }
         if self.partitions < 1 {
-            return Err("the cluster needs at least 1 partition".into());
+            return Err(ConfigError::NoPartitions);
         }
         let n = self.brokers.len() as u32;
         if self.replication_factor < 1 || self.replication_factor > n {
-            return Err(format!(
-                "replication factor {} must be between 1 and the number of brokers ({n})",
-                self.replication_factor
-            ));
+            return Err(ConfigError::ReplicationFactor {
+                factor: self.replication_factor,
+                brokers: n,
+            });
         }
         Ok(())
     }
@@ -205,16 +217,20 @@ mod tests {
     #[test]
     fn bad_configurations_are_refused_with_a_reason() {
         assert!(config(3, 3).validate().is_ok());
-        assert!(config(3, 4)
-            .validate()
-            .unwrap_err()
-            .contains("replication factor"));
+        assert_eq!(
+            config(3, 4).validate(),
+            Err(ConfigError::ReplicationFactor {
+                factor: 4,
+                brokers: 3
+            })
+        );
         let mut c = config(3, 1);
         c.node_id = 9;
-        assert!(c.validate().unwrap_err().contains("node id 9"));
+        let e = c.validate().unwrap_err();
+        assert!(e.to_string().contains("node id 9"), "{e}");
         c.node_id = 1;
         c.partitions = 0;
-        assert!(c.validate().unwrap_err().contains("partition"));
+        assert_eq!(c.validate(), Err(ConfigError::NoPartitions));
         assert!(config(3, 3).raft_config(1).validate().is_ok());
     }
 

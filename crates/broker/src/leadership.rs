@@ -3,6 +3,7 @@
 //! one is back and caught up.
 
 use super::*;
+use crate::partition::ElectError;
 
 /// Hands every partition this broker leads to a follower that has its whole log,
 /// all at once, before the broker stops: see [`Partition::hand_off`].
@@ -27,11 +28,11 @@ pub(super) async fn ask_to_elect(
     partition: PartitionId,
     to: NodeId,
     term: u64,
-) -> Result<(), String> {
+) -> Result<(), ElectError> {
     let addr = config
         .brokers
         .get(&to)
-        .ok_or_else(|| format!("broker {to} is not in the configuration"))?;
+        .ok_or(ElectError::UnknownBroker(to))?;
     let req = raft::ElectRequest {
         leader: config.node_id,
         term,

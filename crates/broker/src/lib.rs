@@ -55,7 +55,7 @@ use leadership::{hand_off_all, rebalance_leaders};
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("invalid configuration: {0}")]
-    Config(String),
+    Config(#[from] config::ConfigError),
     #[error("storage: {0}")]
     Storage(String),
     #[error("raft: {0}")]
@@ -98,7 +98,7 @@ pub async fn run(
     let signal = shutdown;
     let shutdown = CancellationToken::new();
     let _stop_on_return = shutdown.clone().drop_guard();
-    config.validate().map_err(Error::Config)?;
+    config.validate()?;
     let config = Arc::new(config);
     std::fs::create_dir_all(&config.data_dir)?;
     store::check_format(&config.data_dir).map_err(Error::Storage)?;
@@ -129,7 +129,7 @@ pub async fn run(
             config
                 .raft_config(p)
                 .validate()
-                .map_err(|e| Error::Config(e.to_string()))?,
+                .map_err(|e| config::ConfigError::Raft(e.to_string()))?,
         );
         let log =
             LogStore::open(&db, p, config.node_id).map_err(|e| Error::Storage(e.to_string()))?;
@@ -167,7 +167,7 @@ pub async fn run(
     let server_tls = match &config.cluster_tls {
         Some(tls) => Some(
             tls.server_config()
-                .map_err(|e| Error::Config(e.to_string()))?,
+                .map_err(|e| config::ConfigError::Raft(e.to_string()))?,
         ),
         None => {
             warn_if_open(&listener);

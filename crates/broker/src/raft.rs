@@ -6,6 +6,7 @@
 
 use crate::engine::{Applied, Batch};
 use crate::metrics;
+use crate::partition::ElectError;
 use crate::store::durable::Durable;
 use courier_proto::cluster::{raft_client::RaftClient, RaftCall, RaftFrame, SnapshotChunk};
 use courier_proto::codec;
@@ -207,17 +208,18 @@ impl PeerChannels {
         partition: PartitionId,
         req: &ElectRequest,
         ttl: Duration,
-    ) -> Result<(), String> {
-        let link = self.link(addr).map_err(|e| e.to_string())?;
-        let payload = codec::encode(req).map_err(|e| e.to_string())?;
+    ) -> Result<(), ElectError> {
+        let unreachable = |e: &dyn std::fmt::Display| ElectError::Unreachable(e.to_string());
+        let link = self.link(addr).map_err(|e| unreachable(&e))?;
+        let payload = codec::encode(req).map_err(|e| unreachable(&e))?;
         let reply = link
             .call(partition, RaftCall::Elect, payload, ttl)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| unreachable(&e))?;
         if reply.error.is_empty() {
             Ok(())
         } else {
-            Err(reply.error)
+            Err(ElectError::Refused(reply.error))
         }
     }
 }

@@ -102,7 +102,7 @@ async fn serve_raft_call(
                 codec::decode(&frame.payload).map_err(|e| malformed("election request", e))?;
             p.elect_on_request(rpc.leader, rpc.term)
                 .await
-                .map_err(Status::failed_precondition)?;
+                .map_err(|e| Status::failed_precondition(e.to_string()))?;
             Ok(bytes::Bytes::new())
         }
         Err(_) => {

@@ -45,6 +45,9 @@ const MAX_ZEEBE_MESSAGE: usize = courier_proto::domain::MAX_VARIABLES_BYTES + 64
 /// HTTP/2 pings on client connections, so dead workers' connections are closed.
 const CLIENT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const CLIENT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a stopping gateway waits for what its requests left running (a poll
+/// whose client left, a give-back) before it closes its links.
+const REQUESTS_DRAIN: Duration = Duration::from_secs(5);
 
 /// How a gateway finds the cluster and treats requests.
 #[derive(Clone, Debug)]
@@ -202,6 +205,7 @@ pub async fn serve(
     );
     tasks.spawn(links.supervise(link_tasks.clone()));
 
+    let requests = TaskTracker::new();
     let shared = service::Shared::new(
         topology,
         queue,
@@ -210,7 +214,11 @@ pub async fn serve(
         config.default_request_timeout,
         config.push_enabled,
         &gateway_id,
-        clients.clone(),
+        service::Phases {
+            clients: clients.clone(),
+            requests: requests.clone(),
+            stop: stop.clone(),
+        },
     );
     // Zeebe's clients (the Node.js SDK always) compress requests with gzip; answers
     // stay uncompressed, where compression would only add latency.
@@ -264,9 +272,20 @@ pub async fn serve(
         .serve_with_incoming_shutdown(incoming, clients.clone().cancelled_owned())
         .await;
 
-    // The clients are gone: their streams' jobs are yielded on the links, which
-    // close once those are sent.
+    // The clients are gone: what their requests left (give-backs) goes to the
+    // brokers, and their streams' jobs are yielded on the links, which close once
+    // those are sent.
     clients.cancel();
+    requests.close();
+    if tokio::time::timeout(REQUESTS_DRAIN, requests.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "requests still running {} s into the shutdown were dropped",
+            REQUESTS_DRAIN.as_secs()
+        );
+    }
     closing.cancel();
     link_tasks.close();
     link_tasks.wait().await;

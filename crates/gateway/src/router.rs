@@ -66,20 +66,30 @@ pub struct Router {
     topology: Arc<Topology>,
     /// Sent with every command stream (see [`courier_proto::GATEWAY_ID_HEADER`]).
     gateway_id: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
-    shutdown: CancellationToken,
+    /// Cancelled when the gateway stops serving clients: retries stop then.
+    clients: CancellationToken,
+    /// Cancelled when the gateway's own tasks stop: the command streams end then,
+    /// after the last give-back.
+    stop: CancellationToken,
     /// By broker address.
     streams: Arc<Mutex<HashMap<String, Arc<Commands>>>>,
 }
 
 impl Router {
-    /// A router over `topology`; retries stop when `shutdown` is cancelled.
-    pub fn new(topology: Arc<Topology>, gateway_id: &str, shutdown: CancellationToken) -> Self {
+    /// A router over `topology`; retries stop on `clients`, command streams on `stop`.
+    pub fn new(
+        topology: Arc<Topology>,
+        gateway_id: &str,
+        clients: CancellationToken,
+        stop: CancellationToken,
+    ) -> Self {
         Router {
             topology,
             // An id that is not ASCII is not sent: brokers then tell this gateway
             // about every end of a job it holds, which is only more messages.
             gateway_id: gateway_id.parse().ok(),
-            shutdown,
+            clients,
+            stop,
             streams: Arc::default(),
         }
     }
@@ -89,7 +99,7 @@ impl Router {
         let mut streams = lock(&self.streams);
         streams
             .entry(addr.to_string())
-            .or_insert_with(|| Arc::new(Mux::new(self.shutdown.clone())))
+            .or_insert_with(|| Arc::new(Mux::new(self.stop.clone())))
             .clone()
     }
 
@@ -242,7 +252,7 @@ impl Router {
             } else {
                 retry_until
             };
-            if wake >= until.min(deadline) || self.shutdown.is_cancelled() {
+            if wake >= until.min(deadline) || self.clients.is_cancelled() {
                 tracing::debug!(%partition, reason, last, "giving up");
                 return Err(RouteFailure {
                     error: given_up(partition, reason, last),
@@ -255,7 +265,7 @@ impl Router {
             tokio::select! {
                 _ = tokio::time::sleep_until(wake) => {}
                 _ = changes.changed() => {}
-                _ = self.shutdown.cancelled() => {}
+                _ = self.clients.cancelled() => {}
             }
         }
     }

@@ -11,6 +11,40 @@ pub(super) const HAND_OFF_WAIT: Duration = Duration::from_secs(1);
 /// Past its lease by this much, a leader surely grants the vote it asks for.
 pub(super) const LEASE_MARGIN: Duration = Duration::from_millis(20);
 
+/// Why a follower did not stand for election when its leader handed it the partition.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ElectError {
+    #[error("partition {partition}: broker {node} is stopping too")]
+    Stopping {
+        partition: PartitionId,
+        node: NodeId,
+    },
+    #[error(
+        "partition {partition}: broker {node} follows {follows:?} in term {term}, not broker \
+         {leader} in term {asked}"
+    )]
+    NotItsFollower {
+        partition: PartitionId,
+        node: NodeId,
+        follows: Option<NodeId>,
+        term: u64,
+        leader: NodeId,
+        asked: u64,
+    },
+    #[error("partition {partition}: cannot start an election: {reason}")]
+    Raft {
+        partition: PartitionId,
+        reason: String,
+    },
+    #[error("broker {0} is not in the configuration")]
+    UnknownBroker(NodeId),
+    #[error("could not ask: {0}")]
+    Unreachable(String),
+    /// The asked broker's refusal, as it worded it.
+    #[error("{0}")]
+    Refused(String),
+}
+
 /// What becomes of a partition whose hand-off failed: a stopping leader's waits for
 /// an election; one being handed back to its preferred leader (`only`) stays led here.
 pub(super) fn then_what(only: Option<NodeId>) -> &'static str {
@@ -103,7 +137,7 @@ impl Partition {
     pub async fn hand_off<F, Fut>(self: &Arc<Self>, ask: F, only: Option<NodeId>) -> Option<NodeId>
     where
         F: Fn(NodeId, u64) -> Fut,
-        Fut: std::future::Future<Output = Result<(), String>>,
+        Fut: std::future::Future<Output = Result<(), ElectError>>,
     {
         let leader = self.leader()?;
         {
@@ -134,7 +168,7 @@ impl Partition {
     ) -> Option<NodeId>
     where
         F: Fn(NodeId, u64) -> Fut,
-        Fut: std::future::Future<Output = Result<(), String>>,
+        Fut: std::future::Future<Output = Result<(), ElectError>>,
     {
         let mut watch = self.raft.metrics();
         let until = tokio::time::Instant::now() + HAND_OFF_WAIT;
@@ -245,26 +279,31 @@ impl Partition {
     /// A leader that is shutting down asks this replica to stand for election now
     /// (see [`Partition::hand_off`]). Only a follower of that very leader and term
     /// does; anything else is refused with why.
-    pub async fn elect_on_request(&self, leader: NodeId, term: u64) -> Result<(), String> {
+    pub async fn elect_on_request(&self, leader: NodeId, term: u64) -> Result<(), ElectError> {
+        let (partition, node) = (self.id, self.node_id);
         let refusal = if self.stopping.load(Ordering::Relaxed) {
-            Some(format!("broker {} is stopping too", self.node_id))
+            Some(ElectError::Stopping { partition, node })
         } else {
             let m = self.raft.server_metrics();
             let m = m.borrow();
             let current = m.vote.leader_id().get_term();
-            (m.state != ServerState::Follower || m.current_leader != Some(leader) || current != term)
-                .then(|| {
-                    format!(
-                        "broker {} follows {:?} in term {current}, not broker {leader} in term {term}",
-                        self.node_id, m.current_leader
-                    )
+            (m.state != ServerState::Follower
+                || m.current_leader != Some(leader)
+                || current != term)
+                .then_some(ElectError::NotItsFollower {
+                    partition,
+                    node,
+                    follows: m.current_leader,
+                    term: current,
+                    leader,
+                    asked: term,
                 })
         };
         if let Some(why) = refusal {
             metrics::ELECTIONS_ASKED
                 .with_label_values(&[label::election_asked::REFUSED])
                 .inc();
-            return Err(format!("partition {}: {why}", self.id));
+            return Err(why);
         }
         tracing::info!(
             leader,
@@ -279,6 +318,9 @@ impl Partition {
             .trigger()
             .elect()
             .await
-            .map_err(|e| format!("partition {}: cannot start an election: {e}", self.id))
+            .map_err(|e| ElectError::Raft {
+                partition,
+                reason: e.to_string(),
+            })
     }
 }

@@ -53,6 +53,7 @@ mod recovery;
 mod tests;
 mod timers;
 
+pub use handoff::ElectError;
 use handoff::Gate;
 use leader::*;
 use proposer::*;

@@ -27,6 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tonic::{Response, Status};
 use tracing::Instrument;
 
@@ -170,6 +171,16 @@ impl Default for RequestIds {
     }
 }
 
+/// The gateway's shutdown phases, as the services see them.
+pub struct Phases {
+    /// Cancelled first: no more clients are served.
+    pub clients: CancellationToken,
+    /// The tasks requests leave behind, waited for after `clients`.
+    pub requests: TaskTracker,
+    /// Cancelled last: the gateway's own tasks and streams stop.
+    pub stop: CancellationToken,
+}
+
 /// What both services share.
 pub struct Shared {
     topology: Arc<Topology>,
@@ -184,7 +195,11 @@ pub struct Shared {
     activate_start: RoundRobin,
     create_start: RoundRobin,
     request_ids: RequestIds,
-    shutdown: CancellationToken,
+    /// Cancelled when the gateway stops serving clients.
+    clients: CancellationToken,
+    /// What requests leave behind: polls that outlive a departed client, and
+    /// give-backs. The gateway waits for them (a while) before it stops.
+    requests: TaskTracker,
 }
 
 impl Shared {
@@ -198,10 +213,15 @@ impl Shared {
         default_request_timeout: Duration,
         push_enabled: bool,
         gateway_id: &str,
-        shutdown: CancellationToken,
+        phases: Phases,
     ) -> Arc<Self> {
         Arc::new(Shared {
-            router: Router::new(topology.clone(), gateway_id, shutdown.clone()),
+            router: Router::new(
+                topology.clone(),
+                gateway_id,
+                phases.clients.clone(),
+                phases.stop,
+            ),
             topology,
             queue,
             streams,
@@ -211,7 +231,8 @@ impl Shared {
             activate_start: RoundRobin::default(),
             create_start: RoundRobin::default(),
             request_ids: RequestIds::new(),
-            shutdown,
+            clients: phases.clients,
+            requests: phases.requests,
         })
     }
 
@@ -335,7 +356,7 @@ impl Shared {
             // A notice that chose this waiter as the client left is passed on by
             // the waiter's drop.
             let woken = tokio::select! {
-                w = w.wait(end, &self.shutdown) => w,
+                w = w.wait(end, &self.clients) => w,
                 _ = gone.cancelled() => false,
             };
             if !woken {
@@ -407,7 +428,7 @@ impl Shared {
         // Stopping: what is left recovers by its activation timeout.
         tokio::select! {
             _ = futures::future::join_all(fails) => {}
-            _ = self.shutdown.cancelled() => {}
+            _ = self.clients.cancelled() => {}
         }
     }
 
@@ -492,7 +513,8 @@ impl Shared {
         if !over.is_empty() {
             tracing::debug!(jobs = over.len(), "answer full; giving the rest back");
             let me = self.clone();
-            tokio::spawn(async move { me.give_back(over, ANSWER_FULL_MESSAGE).await });
+            self.requests
+                .spawn(async move { me.give_back(over, ANSWER_FULL_MESSAGE).await });
         }
         Ok(jobs)
     }

@@ -60,7 +60,7 @@ impl Gateway for GatewayService {
         let gone = CancellationToken::new();
         let client = gone.clone().drop_guard();
         let (tx, rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(
+        self.0.requests.clone().spawn(
             async move {
                 let result = shared
                     .activate(props, max, req.request_timeout, deadline, &gone)
@@ -142,7 +142,7 @@ impl Gateway for GatewayService {
         });
         let jobs = client
             .map(|job| Some(Ok(job)))
-            .take_until(self.0.shutdown.clone().cancelled_owned())
+            .take_until(self.0.clients.clone().cancelled_owned())
             .chain(end)
             .filter_map(std::future::ready);
         Ok(Response::new(Box::pin(jobs)))
