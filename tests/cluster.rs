@@ -1491,8 +1491,9 @@ async fn partitions_go_back_to_their_preferred_leader_once_it_is_back() {
     .spawn()
     .expect("worker");
     let stop = Arc::new(AtomicBool::new(false));
+    let created = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let producer = {
-        let (c, stop) = (c.clone(), stop.clone());
+        let (c, stop, created) = (c.clone(), stop.clone(), created.clone());
         tokio::spawn(async move {
             let mut keys = Vec::new();
             while !stop.load(Ordering::Relaxed) {
@@ -1502,6 +1503,7 @@ async fn partitions_go_back_to_their_preferred_leader_once_it_is_back() {
                         .expect("create")
                         .key,
                 );
+                created.fetch_add(1, Ordering::Relaxed);
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             keys
@@ -1537,7 +1539,11 @@ async fn partitions_go_back_to_their_preferred_leader_once_it_is_back() {
     );
     cluster.wait_for_leaders(Duration::from_secs(10)).await;
     // Writes go on after the hand-back, through the gateway.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let handed_back = created.load(Ordering::Relaxed);
+    wait_until(Duration::from_secs(10), "creates go on", || async {
+        created.load(Ordering::Relaxed) >= handed_back + 5
+    })
+    .await;
     stop.store(true, Ordering::Relaxed);
     let keys = producer.await.expect("producer");
     assert!(keys.len() > 20, "{} jobs created", keys.len());
@@ -1690,7 +1696,14 @@ async fn sent_as_its_leader_dies<T: Send + 'static>(
     let leader = cluster.leaders().await[&1];
     let leader_metrics = cluster.broker_metrics[&leader].clone();
     let log_index = || metric(&leader_metrics, "courier_broker_partition_log_index");
+    let sent_entries = || {
+        metric(
+            &leader_metrics,
+            r#"courier_broker_raft_appends_sent_total{entries="some"}"#,
+        )
+    };
     let before = log_index().await;
+    let sent_before = sent_entries().await;
     let followers: Vec<u64> = (1..=3).filter(|b| *b != leader).collect();
     for f in &followers {
         cluster.freeze_broker(*f, true);
@@ -1702,8 +1715,13 @@ async fn sent_as_its_leader_dies<T: Send + 'static>(
         || async { log_index().await > before },
     )
     .await;
-    // A few heartbeats' time for the entry to be sent to the followers.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // The leader has sent the entry to both followers (their sockets hold it).
+    wait_until(
+        Duration::from_secs(5),
+        "the leader sends the entry to its followers",
+        || async { sent_entries().await >= sent_before + 2.0 },
+    )
+    .await;
     cluster.kill_broker(leader);
     for f in &followers {
         cluster.freeze_broker(*f, false);

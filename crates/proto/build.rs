@@ -9,6 +9,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
     let files = ["gateway.proto", "courier.proto", "cluster.proto"].map(|f| root.join(f));
     tonic_prost_build::configure()
+        .codec_path("crate::wire::Codec")
         .build_client(true)
         .build_server(true)
         .compile_with_config(config, &files, std::slice::from_ref(&root))?;

@@ -83,6 +83,8 @@ pub enum ConfigError {
     NotAmongBrokers { node: NodeId, brokers: Vec<NodeId> },
     #[error("the cluster needs at least 1 partition")]
     NoPartitions,
+    #[error("{0} partitions is more than job keys can name (at most {max})", max = courier_proto::domain::MAX_PARTITIONS)]
+    TooManyPartitions(u32),
     #[error("replication factor {factor} must be between 1 and the number of brokers ({brokers})")]
     ReplicationFactor { factor: u32, brokers: u32 },
     #[error("raft: {0}")]
@@ -100,6 +102,9 @@ impl BrokerConfig {
         }
         if self.partitions < 1 {
             return Err(ConfigError::NoPartitions);
+        }
+        if self.partitions > courier_proto::domain::MAX_PARTITIONS {
+            return Err(ConfigError::TooManyPartitions(self.partitions));
         }
         let n = self.brokers.len() as u32;
         if self.replication_factor < 1 || self.replication_factor > n {
@@ -231,6 +236,19 @@ mod tests {
         c.node_id = 1;
         c.partitions = 0;
         assert_eq!(c.validate(), Err(ConfigError::NoPartitions));
+        c.partitions = courier_proto::domain::MAX_PARTITIONS;
+        assert!(c.validate().is_ok());
+        let last =
+            courier_proto::domain::JobKey::new(courier_proto::domain::PartitionId(c.partitions), 1);
+        assert_eq!(
+            last.partition(),
+            Some(courier_proto::domain::PartitionId(c.partitions))
+        );
+        c.partitions += 1;
+        assert_eq!(
+            c.validate(),
+            Err(ConfigError::TooManyPartitions(c.partitions))
+        );
         assert!(config(3, 3).raft_config(1).validate().is_ok());
     }
 

@@ -66,6 +66,15 @@ pub enum Error {
     Io(#[from] std::io::Error),
 }
 
+/// Takes a broker out of [`courier_proto::api::InProcess`] when it stops.
+struct Unregister(courier_proto::api::InProcess, String);
+
+impl Drop for Unregister {
+    fn drop(&mut self) {
+        self.0.unregister(&self.1);
+    }
+}
+
 /// How long a stopping broker waits for its connections to close.
 const SERVER_DRAIN: Duration = Duration::from_millis(500);
 
@@ -92,6 +101,17 @@ pub async fn run(
     config: BrokerConfig,
     listener: TcpListener,
     shutdown: CancellationToken,
+) -> Result<(), Error> {
+    run_with(config, listener, shutdown, None).await
+}
+
+/// [`run`], reachable besides by gateways of this process through `in_process`
+/// (at its configured address) for as long as it runs.
+pub async fn run_with(
+    config: BrokerConfig,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+    in_process: Option<courier_proto::api::InProcess>,
 ) -> Result<(), Error> {
     // The caller's token asks this broker to stop (`signal`); this one stops its
     // tasks and server, once its partitions are handed over (see `hand_off_all`).
@@ -180,6 +200,22 @@ pub async fn run(
         metrics::peer_refused,
         shutdown.clone(),
     );
+    let broker_service = BrokerService {
+        config: config.clone(),
+        partitions: partitions.clone(),
+        notices,
+        registry,
+        shutdown: shutdown.clone(),
+    };
+    let own_addr = config
+        .brokers
+        .get(&config.node_id)
+        .cloned()
+        .unwrap_or_default();
+    let _unregister = in_process.map(|brokers| {
+        brokers.register(&own_addr, Arc::new(broker_service.clone()));
+        Unregister(brokers, own_addr.clone())
+    });
     let server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(5)))
         .http2_keepalive_timeout(Some(Duration::from_secs(5)))
@@ -193,15 +229,9 @@ pub async fn run(
             .max_encoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES),
         )
         .add_service(
-            BrokerServer::new(BrokerService {
-                config: config.clone(),
-                partitions: partitions.clone(),
-                notices,
-                registry,
-                shutdown: shutdown.clone(),
-            })
-            .max_decoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES)
-            .max_encoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES),
+            BrokerServer::new(broker_service.clone())
+                .max_decoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES)
+                .max_encoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES),
         )
         .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
     let server = tokio::spawn(server);

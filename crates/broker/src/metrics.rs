@@ -152,6 +152,25 @@ pub fn append_received(with_entries: bool) {
     APPENDS_BY_ENTRIES[usize::from(with_entries)].inc();
 }
 
+/// Append-entries this broker sent as a leader, by whether they carried entries.
+static APPENDS_SENT: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    register(built(IntCounterVec::new(
+        Opts::new(
+            "courier_broker_raft_appends_sent_total",
+            "Append-entries sent to followers, by whether they carried entries (some) or only a heartbeat or commit index (none)",
+        ),
+        &["entries"],
+    )))
+});
+
+static APPENDS_SENT_BY_ENTRIES: LazyLock<[IntCounter; 2]> =
+    LazyLock::new(|| ["none", "some"].map(|entries| APPENDS_SENT.with_label_values(&[entries])));
+
+/// Counts an append-entries sent, with or without entries.
+pub fn append_sent(with_entries: bool) {
+    APPENDS_SENT_BY_ENTRIES[usize::from(with_entries)].inc();
+}
+
 /// News of a commit alone that a leader left for its next message to a follower.
 pub static COMMIT_NEWS_LEFT: LazyLock<IntCounter> = LazyLock::new(|| {
     register(built(IntCounter::new(
@@ -518,6 +537,7 @@ pub fn init() {
     }
     LazyLock::force(&PEERS_UNREACHABLE);
     LazyLock::force(&APPENDS_BY_ENTRIES);
+    LazyLock::force(&APPENDS_SENT_BY_ENTRIES);
     LazyLock::force(&REQUEST_SECONDS);
     LazyLock::force(&POSITIONS);
     let refused = courier_proto::push_refusal::ALL.map(|r| format!("refused_{r}"));
@@ -665,6 +685,7 @@ mod tests {
         super::PEERS_UNREACHABLE.add(0);
         super::PEER_CALLS_UNREACHABLE.inc_by(0);
         super::append_received(false);
+        super::append_sent(false);
         super::COMMIT_NEWS_LEFT.inc_by(0);
         super::POSITIONS.log.with_label_values(&["7", "1"]).set(12);
         super::POSITIONS
@@ -684,6 +705,7 @@ mod tests {
             "courier_broker_batch_commands",
             "courier_broker_commit_seconds",
             "courier_broker_raft_appends_received_total",
+            "courier_broker_raft_appends_sent_total",
             "courier_broker_raft_commit_news_deferred_total",
             "courier_broker_partition_log_index",
             "courier_broker_partition_applied_index",
@@ -750,6 +772,7 @@ mod tests {
             ("courier_broker_empty_activations_total", 2),
             ("courier_broker_finished_notices_total", 2),
             ("courier_broker_raft_appends_received_total", 2),
+            ("courier_broker_raft_appends_sent_total", 2),
         ] {
             assert_eq!(series(name).len(), n, "{name}: {:?}", series(name));
         }

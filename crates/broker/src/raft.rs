@@ -255,7 +255,7 @@ impl PeerLink {
                 .max_encoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES)
                 .stream(with_data_format(tonic::Request::new(requests)))
                 .await?;
-            Ok(replies.into_inner())
+            Ok(Box::pin(replies.into_inner()) as courier_proto::mux::Replies<RaftFrame>)
         };
         self.mux
             .call(open, frame, tokio::time::Instant::now() + ttl)
@@ -549,6 +549,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
             metrics::COMMIT_NEWS_LEFT.inc();
             return Ok(AppendEntriesResponse::Success);
         }
+        metrics::append_sent(!rpc.entries.is_empty());
         let reply = self.call(RaftCall::AppendEntries, &rpc, &option).await;
         match &reply {
             Ok(AppendEntriesResponse::Success) => self.told.accepted(&rpc, now),

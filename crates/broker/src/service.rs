@@ -7,6 +7,7 @@ use crate::metrics;
 use crate::partition::{Notices, Partition};
 use crate::raft::{ElectRequest, SnapshotChunkHeader, TypeConfig};
 use crate::registry::{JobStreamRegistry, Link};
+use courier_proto::api::{BrokerApi, Inbound, Outbound};
 use courier_proto::cluster::{
     self, gateway_message, BrokerAddress, BrokerMessage, BrokerTopology, BrokerTopologyRequest,
     ExecuteReply, ExecuteRequest, GatewayMessage, PartitionStatus, RaftCall, RaftFrame, RaftReply,
@@ -16,7 +17,7 @@ use courier_proto::codec;
 use courier_proto::convert;
 use courier_proto::domain::{BrokerError, JobKey, Lease, PartitionId, Reply, Request, StreamId};
 use courier_proto::mux;
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
 use openraft::ServerState;
 use std::collections::BTreeMap;
@@ -388,13 +389,65 @@ impl cluster::broker_server::Broker for BrokerService {
         &self,
         req: GrpcRequest<Streaming<ExecuteRequest>>,
     ) -> Result<Response<Self::ExecuteStream>, Status> {
-        let service = self.clone();
         let gateway: Option<Arc<str>> = req
             .metadata()
             .get(courier_proto::GATEWAY_ID_HEADER)
             .and_then(|v| v.to_str().ok())
             .map(Arc::from);
-        let replies = mux::serve(req.into_inner(), self.shutdown.clone(), move |r| {
+        Ok(Response::new(
+            self.serve_commands(gateway, req.into_inner()),
+        ))
+    }
+
+    async fn topology(
+        &self,
+        _req: GrpcRequest<BrokerTopologyRequest>,
+    ) -> Result<Response<BrokerTopology>, Status> {
+        Ok(Response::new(self.topology_now()))
+    }
+
+    type LinkStream = LinkStream;
+
+    async fn link(
+        &self,
+        req: GrpcRequest<Streaming<GatewayMessage>>,
+    ) -> Result<Response<LinkStream>, Status> {
+        Ok(Response::new(self.open_link(req.into_inner())))
+    }
+}
+
+/// The same calls for a gateway in this process (see [`courier_proto::api`]).
+#[tonic::async_trait]
+impl BrokerApi for BrokerService {
+    async fn execute(
+        &self,
+        gateway_id: Option<Arc<str>>,
+        requests: Outbound<ExecuteRequest>,
+    ) -> Result<Inbound<ExecuteReply>, Status> {
+        Ok(self.serve_commands(gateway_id, requests.map(Ok)))
+    }
+
+    async fn topology(&self) -> Result<BrokerTopology, Status> {
+        Ok(self.topology_now())
+    }
+
+    async fn link(
+        &self,
+        outbound: Outbound<GatewayMessage>,
+    ) -> Result<Inbound<BrokerMessage>, Status> {
+        Ok(self.open_link(outbound.map(Ok)))
+    }
+}
+
+impl BrokerService {
+    /// Serves a gateway's command stream: each command runs as it comes and is
+    /// answered under its request's id.
+    fn serve_commands<S>(&self, gateway: Option<Arc<str>>, inbound: S) -> mux::Replies<ExecuteReply>
+    where
+        S: Stream<Item = Result<ExecuteRequest, Status>> + Send + Unpin + 'static,
+    {
+        let service = self.clone();
+        mux::serve(inbound, self.shutdown.clone(), move |r| {
             let (service, gateway) = (service.clone(), gateway.clone());
             async move {
                 match service.execute_one(r, gateway).await {
@@ -409,14 +462,11 @@ impl cluster::broker_server::Broker for BrokerService {
                     },
                 }
             }
-        });
-        Ok(Response::new(replies))
+        })
     }
 
-    async fn topology(
-        &self,
-        _req: GrpcRequest<BrokerTopologyRequest>,
-    ) -> Result<Response<BrokerTopology>, Status> {
+    /// This broker's view of the cluster and the state of its replicas.
+    fn topology_now(&self) -> BrokerTopology {
         let partitions = self
             .partitions
             .values()
@@ -440,7 +490,7 @@ impl cluster::broker_server::Broker for BrokerService {
                 }
             })
             .collect();
-        Ok(Response::new(BrokerTopology {
+        BrokerTopology {
             node_id: self.config.node_id,
             brokers: self
                 .config
@@ -455,16 +505,14 @@ impl cluster::broker_server::Broker for BrokerService {
             replication_factor: self.config.replication_factor,
             partitions,
             version: env!("CARGO_PKG_VERSION").to_string(),
-        }))
+        }
     }
 
-    type LinkStream = LinkStream;
-
-    async fn link(
-        &self,
-        req: GrpcRequest<Streaming<GatewayMessage>>,
-    ) -> Result<Response<LinkStream>, Status> {
-        let mut inbound = req.into_inner();
+    /// Serves a gateway's link until either side ends it, or this broker stops.
+    fn open_link<S>(&self, mut inbound: S) -> LinkStream
+    where
+        S: Stream<Item = Result<GatewayMessage, Status>> + Send + Unpin + 'static,
+    {
         let mut notices = self.notices.subscribe();
         let (link, mut outbound) = self.registry.add_link();
         let registry = self.registry.clone();
@@ -484,10 +532,10 @@ impl cluster::broker_server::Broker for BrokerService {
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
-                    m = inbound.message() => match m {
-                        Ok(Some(msg)) => on_gateway_message(&registry, &partitions, &link, msg),
-                        Ok(None) => break,
-                        Err(e) => {
+                    m = inbound.next() => match m {
+                        Some(Ok(msg)) => on_gateway_message(&registry, &partitions, &link, msg),
+                        None => break,
+                        Some(Err(e)) => {
                             tracing::info!(link = %link.id, error = %e, "gateway link broke");
                             break;
                         }
@@ -524,6 +572,6 @@ impl cluster::broker_server::Broker for BrokerService {
             }
             tracing::info!(link = %link.id, "gateway link closed");
         };
-        Ok(Response::new(Box::pin(out)))
+        Box::pin(out)
     }
 }

@@ -16,6 +16,7 @@
 
 pub mod auth;
 pub mod error;
+pub mod grpc;
 mod health;
 pub mod link;
 pub mod long_poll;
@@ -161,10 +162,20 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), GatewayError> {
-    let topology = Arc::new(topology::Topology::with_tls(
-        &config.brokers,
-        config.cluster_tls.as_ref().map(|t| t.client_config()),
-    )?);
+    let connect = grpc::GrpcConnect {
+        tls: config.cluster_tls.as_ref().map(|t| t.client_config()),
+    };
+    serve_with(config, listener, shutdown, Arc::new(connect)).await
+}
+
+/// [`serve`], reaching the brokers through `connect` (see [`courier_proto::api`]).
+pub async fn serve_with(
+    config: GatewayConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+    connect: Arc<dyn courier_proto::api::Connect>,
+) -> Result<(), GatewayError> {
+    let topology = Arc::new(topology::Topology::with_connect(&config.brokers, connect)?);
     // The gateway's own tasks stop on `stop`, after the clients are gone and the
     // links closed (a graceful stop: see `BrokerLink::close`); they also stop when
     // the server fails, without cancelling the caller's token. What serves clients

@@ -12,10 +12,11 @@ use crate::streams::{AggregatedStreams, AttachedLink};
 use crate::topology::Topology;
 use courier_proto::backoff::Backoff;
 use courier_proto::cluster::{
-    broker_client::BrokerClient, broker_message, gateway_message, BrokerMessage, GatewayHello,
-    GatewayLeaving, GatewayMessage, PushJob,
+    broker_message, gateway_message, BrokerMessage, GatewayHello, GatewayLeaving, GatewayMessage,
+    PushJob,
 };
 use courier_proto::domain::{JobKey, Lease, NodeId, PartitionId};
+use futures::StreamExt;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,7 +59,7 @@ pub struct BrokerLink {
 /// An open link: the broker's messages, and the gateway's side of the stream
 /// (dropping it detaches the link and ends the stream).
 struct Connected {
-    inbound: tonic::Streaming<BrokerMessage>,
+    inbound: courier_proto::api::Inbound<BrokerMessage>,
     outbound: AttachedLink,
 }
 
@@ -147,9 +148,9 @@ impl BrokerLink {
     }
 
     async fn open(&self, node: NodeId) -> Result<Connected, String> {
-        let channel = self
+        let broker = self
             .topology
-            .node_channel(node)
+            .node_broker(node)
             .ok_or_else(|| "no usable address".to_string())?;
         let hello = GatewayMessage {
             kind: Some(gateway_message::Kind::Hello(GatewayHello {
@@ -159,15 +160,9 @@ impl BrokerLink {
         // Attached before the call: registration changes while it opens queue up
         // behind the hello and the initial registrations instead of being missed.
         let (outbound, rx) = self.streams.attach_link(node, hello);
-        // Pushed jobs carry up to 4 MiB of variables, tonic's default limit.
-        let mut client = BrokerClient::new(channel)
-            .max_decoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES);
-        let call = client.link(ReceiverStream::new(rx));
+        let call = broker.link(Box::pin(ReceiverStream::new(rx)));
         match tokio::time::timeout(OPEN_TIMEOUT, call).await {
-            Ok(Ok(response)) => Ok(Connected {
-                inbound: response.into_inner(),
-                outbound,
-            }),
+            Ok(Ok(inbound)) => Ok(Connected { inbound, outbound }),
             Ok(Err(status)) => Err(status.to_string()),
             Err(_) => Err("timed out".to_string()),
         }
@@ -177,7 +172,7 @@ impl BrokerLink {
     async fn serve(&self, node: NodeId, mut link: Connected) {
         loop {
             let next = tokio::select! {
-                next = link.inbound.message() => next,
+                next = link.inbound.next() => next,
                 _ = link.outbound.broken().cancelled() => {
                     tracing::warn!(node, "broker link reset: it stopped taking messages");
                     return;
@@ -186,8 +181,8 @@ impl BrokerLink {
                 _ = self.shutdown.cancelled() => return,
             };
             match next {
-                Ok(Some(msg)) => self.answer(node, msg, &link.outbound),
-                Ok(None) => {
+                Some(Ok(msg)) => self.answer(node, msg, &link.outbound),
+                None => {
                     if self.stopping.is_cancelled() {
                         tracing::info!(node, "broker closed the link as this gateway stops");
                     } else {
@@ -195,7 +190,7 @@ impl BrokerLink {
                     }
                     return;
                 }
-                Err(status) => {
+                Some(Err(status)) => {
                     if self.stopping.is_cancelled() {
                         tracing::info!(node, %status, "broker link ended as this gateway stops");
                     } else {
@@ -234,8 +229,8 @@ impl BrokerLink {
         tokio::pin!(quiet);
         loop {
             tokio::select! {
-                next = inbound.message() => match next {
-                    Ok(Some(msg)) => self.answer(node, msg, &outbound),
+                next = inbound.next() => match next {
+                    Some(Ok(msg)) => self.answer(node, msg, &outbound),
                     _ => return,
                 },
                 () = &mut quiet => break,
@@ -250,7 +245,7 @@ impl BrokerLink {
         );
         drop(outbound);
         let drained = tokio::time::timeout(CLOSE_WAIT, async {
-            while let Ok(Some(msg)) = inbound.message().await {
+            while let Some(Ok(msg)) = inbound.next().await {
                 tracing::debug!(node, ?msg.kind, "broker message after this gateway closed its side");
             }
         });

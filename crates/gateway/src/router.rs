@@ -4,7 +4,7 @@
 use crate::metrics;
 use crate::topology::Topology;
 use courier_proto::backoff::Backoff;
-use courier_proto::cluster::{broker_client::BrokerClient, ExecuteReply, ExecuteRequest};
+use courier_proto::cluster::{ExecuteReply, ExecuteRequest};
 use courier_proto::codec;
 use courier_proto::domain::{
     BrokerError, Command, NodeId, PartitionId, Reply, Request, RESEND_FOR_MS,
@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Duration;
 use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
 const RETRY_BASE: Duration = Duration::from_millis(10);
@@ -65,7 +66,7 @@ type Commands = Mux<ExecuteRequest, ExecuteReply>;
 pub struct Router {
     topology: Arc<Topology>,
     /// Sent with every command stream (see [`courier_proto::GATEWAY_ID_HEADER`]).
-    gateway_id: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+    gateway_id: Arc<str>,
     /// Cancelled when the gateway stops serving clients: retries stop then.
     clients: CancellationToken,
     /// Cancelled when the gateway's own tasks stop: the command streams end then,
@@ -85,9 +86,7 @@ impl Router {
     ) -> Self {
         Router {
             topology,
-            // An id that is not ASCII is not sent: brokers then tell this gateway
-            // about every end of a job it holds, which is only more messages.
-            gateway_id: gateway_id.parse().ok(),
+            gateway_id: Arc::from(gateway_id),
             clients,
             stop,
             streams: Arc::default(),
@@ -282,28 +281,17 @@ impl Router {
             self.topology.request_refresh();
             return Err(Failed::NoLeader);
         };
-        let Some((channel, addr)) = self
+        let Some((broker, addr)) = self
             .topology
             .node_addr(node)
-            .and_then(|addr| Some((self.topology.channel(&addr)?, addr)))
+            .and_then(|addr| Some((self.topology.broker(&addr)?, addr)))
         else {
             self.topology.request_refresh();
             return Err(Failed::NoLeader);
         };
         let gateway_id = self.gateway_id.clone();
-        let open = |requests| async move {
-            let mut request = tonic::Request::new(requests);
-            if let Some(id) = gateway_id {
-                request
-                    .metadata_mut()
-                    .insert(courier_proto::GATEWAY_ID_HEADER, id);
-            }
-            let replies = BrokerClient::new(channel)
-                .max_decoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES)
-                .max_encoding_message_size(courier_proto::MAX_CLUSTER_MESSAGE_BYTES)
-                .execute(request)
-                .await?;
-            Ok(replies.into_inner())
+        let open = |requests: ReceiverStream<ExecuteRequest>| async move {
+            broker.execute(Some(gateway_id), Box::pin(requests)).await
         };
         // Cloning shares the encoded payload (`Bytes`), it does not copy it.
         let commands = self.commands(&addr);
@@ -560,11 +548,13 @@ mod tests {
         let addr = listener.local_addr().unwrap().to_string();
         drop(listener);
         let topology = Topology::new(std::slice::from_ref(&addr)).unwrap();
-        let mut client = BrokerClient::new(topology.channel(&addr).unwrap());
-        let status = client
-            .execute(tokio_stream::empty::<ExecuteRequest>())
+        let broker = topology.broker(&addr).unwrap();
+        let Err(status) = broker
+            .execute(None, Box::pin(tokio_stream::empty::<ExecuteRequest>()))
             .await
-            .unwrap_err();
+        else {
+            panic!("a refused connection opened a stream");
+        };
         assert_eq!(status.code(), tonic::Code::Unavailable);
         assert!(is_connect_error(&status), "{status:?}");
         assert!(!is_connect_error(&tonic::Status::unavailable("reset")));

@@ -8,16 +8,16 @@
 
 use crate::error::GatewayError;
 use crate::metrics;
-use courier_proto::cluster::{broker_client::BrokerClient, BrokerTopology, BrokerTopologyRequest};
+use courier_proto::api::{BrokerApi, Connect};
+use courier_proto::cluster::BrokerTopology;
 use courier_proto::domain::{NodeId, PartitionId};
 use courier_proto::sync::{lock, read_lock, write_lock};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
 
 /// Bound on one broker's Topology answer; a broker slower than this counts as down
 /// for the round.
@@ -25,11 +25,6 @@ const TOPOLOGY_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 /// Least time between two refresh rounds, so a burst of routing failures asking for
 /// a refresh does not turn into a burst of Topology calls.
 const MIN_REFRESH_GAP: Duration = Duration::from_millis(50);
-/// Bound on establishing a TCP connection to a broker.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-/// HTTP/2 pings on broker connections, so a dead broker is noticed on an idle link.
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
-const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Who leads a partition, and in which Raft term the gateway learned it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -202,14 +197,16 @@ fn elect(answers: &[BrokerTopology]) -> HashMap<PartitionId, Leader> {
         .collect()
 }
 
-/// The gateway's live topology: the view, the broker channels, and the refresh task.
+/// The gateway's live topology: the view, the brokers, and the refresh task.
 pub struct Topology {
     /// Addresses from the configuration; polled every round besides the members,
     /// since they may be spelled differently from the members' own addresses.
     seeds: Vec<String>,
     view: RwLock<ClusterView>,
-    /// One channel per broker address, reused for the command stream, Topology and Link.
-    channels: Mutex<HashMap<String, Channel>>,
+    /// One broker per address, reused for the command stream, Topology and Link.
+    brokers: Mutex<HashMap<String, Arc<dyn BrokerApi>>>,
+    /// Reaches the brokers (over gRPC, but for tests).
+    connect: Arc<dyn Connect>,
     /// The membership, for the link supervisor to start one link per broker.
     members: watch::Sender<BTreeMap<NodeId, String>>,
     /// The partition count, for requests that arrive before the first answer.
@@ -221,8 +218,6 @@ pub struct Topology {
     /// Counts changes of any partition's leader, so that commands waiting to retry
     /// for want of a leader go at once when one is known.
     leader_changes: watch::Sender<u64>,
-    /// The cluster's mutual TLS, when brokers require it.
-    tls: Option<tonic::transport::ClientTlsConfig>,
 }
 
 impl Topology {
@@ -231,31 +226,41 @@ impl Topology {
         Self::with_tls(seeds, None)
     }
 
-    /// A view learned from `seeds`, reaching brokers with the cluster's mutual TLS
-    /// when `tls` is given.
+    /// A view learned from `seeds`, reaching brokers over gRPC with the cluster's
+    /// mutual TLS when `tls` is given.
     pub fn with_tls(
         seeds: &[String],
         tls: Option<tonic::transport::ClientTlsConfig>,
     ) -> Result<Self, GatewayError> {
+        Self::with_connect(seeds, Arc::new(crate::grpc::GrpcConnect { tls }))
+    }
+
+    /// A view learned from `seeds`, reaching brokers through `connect`.
+    pub fn with_connect(seeds: &[String], connect: Arc<dyn Connect>) -> Result<Self, GatewayError> {
         if seeds.is_empty() {
             return Err(GatewayError::NoBrokers);
         }
+        let mut brokers = HashMap::new();
         for addr in seeds {
-            endpoint(addr, tls.as_ref()).map_err(|reason| GatewayError::BadBrokerAddress {
-                addr: addr.clone(),
-                reason,
-            })?;
+            let broker =
+                connect
+                    .connect(addr)
+                    .map_err(|reason| GatewayError::BadBrokerAddress {
+                        addr: addr.clone(),
+                        reason,
+                    })?;
+            brokers.insert(addr.clone(), broker);
         }
         Ok(Topology {
             seeds: seeds.to_vec(),
             view: RwLock::new(ClusterView::default()),
-            channels: Mutex::new(HashMap::new()),
+            brokers: Mutex::new(brokers),
+            connect,
             members: watch::Sender::new(BTreeMap::new()),
             partitions: watch::Sender::new(0),
             led: watch::Sender::new(BTreeMap::new()),
             refresh_wanted: Notify::new(),
             leader_changes: watch::Sender::new(0),
-            tls,
         })
     }
 
@@ -377,9 +382,9 @@ impl Topology {
         self.members.subscribe()
     }
 
-    /// The channel to broker `node`, if its address is known.
-    pub fn node_channel(&self, node: NodeId) -> Option<Channel> {
-        self.channel(&self.node_addr(node)?)
+    /// Broker `node`, if its address is known.
+    pub fn node_broker(&self, node: NodeId) -> Option<Arc<dyn BrokerApi>> {
+        self.broker(&self.node_addr(node)?)
     }
 
     /// The address of broker `node`, if known.
@@ -387,17 +392,16 @@ impl Topology {
         self.read().members.get(&node).cloned()
     }
 
-    /// The channel to `addr`, created (not connected) on first use.
-    pub fn channel(&self, addr: &str) -> Option<Channel> {
-        let mut channels = lock(&self.channels);
-        if let Some(c) = channels.get(addr) {
-            return Some(c.clone());
+    /// The broker at `addr`, made (not connected) on first use.
+    pub fn broker(&self, addr: &str) -> Option<Arc<dyn BrokerApi>> {
+        let mut brokers = lock(&self.brokers);
+        if let Some(b) = brokers.get(addr) {
+            return Some(b.clone());
         }
-        match endpoint(addr, self.tls.as_ref()) {
-            Ok(e) => {
-                let c = e.connect_lazy();
-                channels.insert(addr.to_string(), c.clone());
-                Some(c)
+        match self.connect.connect(addr) {
+            Ok(b) => {
+                brokers.insert(addr.to_string(), b.clone());
+                Some(b)
             }
             Err(reason) => {
                 tracing::warn!(addr, reason, "ignoring unusable broker address");
@@ -449,13 +453,9 @@ impl Topology {
     }
 
     async fn poll(&self, addr: &str) -> Option<BrokerTopology> {
-        let channel = self.channel(addr)?;
-        let mut req = tonic::Request::new(BrokerTopologyRequest {});
-        req.set_timeout(TOPOLOGY_CALL_TIMEOUT);
-        let mut client = BrokerClient::new(channel);
-        let call = client.topology(req);
-        match tokio::time::timeout(TOPOLOGY_CALL_TIMEOUT, call).await {
-            Ok(Ok(r)) => Some(r.into_inner()),
+        let broker = self.broker(addr)?;
+        match tokio::time::timeout(TOPOLOGY_CALL_TIMEOUT, broker.topology()).await {
+            Ok(Ok(r)) => Some(r),
             Ok(Err(status)) => {
                 tracing::debug!(addr, %status, "broker did not answer Topology");
                 None
@@ -494,27 +494,6 @@ impl Topology {
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, ClusterView> {
         write_lock(&self.view)
     }
-}
-
-/// The endpoint for a broker address, "host:port" or a full URI; https with the
-/// cluster's TLS.
-fn endpoint(
-    addr: &str,
-    tls: Option<&tonic::transport::ClientTlsConfig>,
-) -> Result<Endpoint, String> {
-    let uri = courier_proto::tls::peer_uri(addr, tls.is_some());
-    let mut e = Endpoint::from_shared(uri).map_err(|e| e.to_string())?;
-    if let Some(tls) = tls {
-        e = e.tls_config(tls.clone()).map_err(|e| e.to_string())?;
-    }
-    if e.uri().port_u16().is_none() {
-        return Err("no port given".to_string());
-    }
-    Ok(e.tcp_nodelay(true)
-        .connect_timeout(CONNECT_TIMEOUT)
-        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
-        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
-        .keep_alive_while_idle(true))
 }
 
 #[cfg(test)]
@@ -726,10 +705,8 @@ mod tests {
 
     #[test]
     fn addresses_are_checked() {
-        assert!(endpoint("127.0.0.1:26501", None).is_ok());
-        assert!(endpoint("http://broker-1:26501", None).is_ok());
-        assert!(endpoint("broker-1", None).is_err());
-        assert!(endpoint("not an address", None).is_err());
+        assert!(Topology::new(&["127.0.0.1:26501".into()]).is_ok());
+        assert!(Topology::new(&["http://broker-1:26501".into()]).is_ok());
         assert!(matches!(Topology::new(&[]), Err(GatewayError::NoBrokers)));
         assert!(matches!(
             Topology::new(&["x y".into()]),

@@ -248,3 +248,72 @@ async fn serves_grpc_health_checks_for_itself_and_its_services() {
         .unwrap()
         .unwrap();
 }
+
+/// Sends and receives raw protobuf bytes, to send what no generated client would.
+#[derive(Default)]
+struct RawCodec;
+
+struct RawEncoder;
+struct RawDecoder;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = RawEncoder;
+    type Decoder = RawDecoder;
+
+    fn encoder(&mut self) -> RawEncoder {
+        RawEncoder
+    }
+
+    fn decoder(&mut self) -> RawDecoder {
+        RawDecoder
+    }
+}
+
+impl tonic::codec::Encoder for RawEncoder {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        buf: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        prost::bytes::BufMut::put_slice(buf, &item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawDecoder {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+
+    fn decode(
+        &mut self,
+        buf: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Vec<u8>>, tonic::Status> {
+        let n = prost::bytes::Buf::remaining(buf);
+        Ok(Some(prost::bytes::Buf::copy_to_bytes(buf, n).to_vec()))
+    }
+}
+
+#[tokio::test]
+async fn a_request_that_does_not_decode_is_an_invalid_argument() {
+    let (channel, token, server) = start().await;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    // CompleteJobRequest { jobKey: 1, variables: [0xff, 0xfe] }: not UTF-8.
+    let bytes = vec![0x08, 0x01, 0x12, 0x02, 0xff, 0xfe];
+    grpc.ready().await.unwrap();
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+        "/gateway_protocol.Gateway/CompleteJob",
+    );
+    let e = grpc
+        .unary(tonic::Request::new(bytes), path, RawCodec)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("UTF-8"), "{e:?}");
+    token.cancel();
+    server.await.unwrap().unwrap();
+}

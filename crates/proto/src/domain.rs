@@ -7,6 +7,9 @@ use std::fmt;
 pub const DEFAULT_TENANT: &str = "<default>";
 /// Job keys carry their partition in the bits above this shift (Zeebe's layout).
 pub const KEY_PARTITION_SHIFT: u32 = 51;
+/// The most partitions a cluster may have: a larger id would not fit a job key's
+/// top bits (a key is a positive `i64`).
+pub const MAX_PARTITIONS: u32 = (i64::MAX >> KEY_PARTITION_SHIFT) as u32;
 /// Largest variables document a job may carry.
 pub const MAX_VARIABLES_BYTES: usize = 4 * 1024 * 1024;
 /// Most bytes of a job's own text: its type, tenant, variables, custom headers and

@@ -14,6 +14,7 @@
 
 #![allow(clippy::derive_partial_eq_without_eq)]
 
+pub mod api;
 pub mod backoff;
 pub mod codec;
 pub mod convert;
@@ -22,6 +23,7 @@ pub mod mux;
 pub mod sync;
 pub mod tls;
 pub mod validate;
+pub mod wire;
 
 /// Zeebe's gateway protocol, job part.
 #[allow(missing_docs, clippy::all)]

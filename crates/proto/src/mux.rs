@@ -7,7 +7,7 @@
 //! ([`serve`]) copies it into the reply, and replies may come back in any order.
 
 use dashmap::DashMap;
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::{Status, Streaming};
+use tonic::Status;
 
 /// A message that travels on a multiplexed stream: a request or its reply.
 pub trait Frame: Send + 'static {
@@ -82,7 +82,7 @@ impl<Req: Frame, Rep: Frame> Mux<Req, Rep> {
     async fn stream<F, Fut>(&self, open: F) -> Result<Arc<OpenStream<Req, Rep>>, CallError>
     where
         F: FnOnce(ReceiverStream<Req>) -> Fut,
-        Fut: Future<Output = Result<Streaming<Rep>, Status>>,
+        Fut: Future<Output = Result<Replies<Rep>, Status>>,
     {
         let mut current = self.current.lock().await;
         if let Some(s) = current.as_ref().filter(|s| !s.ended.is_cancelled()) {
@@ -112,7 +112,7 @@ impl<Req: Frame, Rep: Frame> Mux<Req, Rep> {
     ) -> Result<Rep, CallError>
     where
         F: FnOnce(ReceiverStream<Req>) -> Fut,
-        Fut: Future<Output = Result<Streaming<Rep>, Status>>,
+        Fut: Future<Output = Result<Replies<Rep>, Status>>,
     {
         let s = tokio::time::timeout_at(deadline, self.stream(open))
             .await
@@ -155,7 +155,7 @@ impl<Req: Frame, Rep: Frame> Mux<Req, Rep> {
 /// Hands the replies of one stream to their calls until it ends (peer gone, its
 /// shutdown or ours), then fails every call still waiting on it.
 async fn read_replies<Req, Rep: Frame>(
-    mut replies: Streaming<Rep>,
+    mut replies: Replies<Rep>,
     s: Arc<OpenStream<Req, Rep>>,
     shutdown: CancellationToken,
 ) {
@@ -163,16 +163,16 @@ async fn read_replies<Req, Rep: Frame>(
         let next = tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = s.ended.cancelled() => break,
-            next = replies.message() => next,
+            next = replies.next() => next,
         };
         match next {
-            Ok(Some(reply)) => {
+            Some(Ok(reply)) => {
                 if let Some((_, call)) = s.waiting.remove(&reply.id()) {
                     let _ = call.send(reply);
                 }
             }
-            Ok(None) => break,
-            Err(e) => {
+            None => break,
+            Some(Err(e)) => {
                 tracing::debug!(error = %e, "multiplexed stream ended");
                 break;
             }
@@ -188,8 +188,8 @@ pub type Replies<Rep> = Pin<Box<dyn Stream<Item = Result<Rep, Status>> + Send>>;
 /// The serving side: runs `handle` on each request of `inbound` as it comes (a
 /// slow one never holds up the next) and returns the stream of replies, each
 /// with its request's id. Ends when the caller closes its side, or on `shutdown`.
-pub fn serve<Req, Rep, H, Fut>(
-    mut inbound: Streaming<Req>,
+pub fn serve<Req, Rep, H, Fut, S>(
+    mut inbound: S,
     shutdown: CancellationToken,
     handle: H,
 ) -> Replies<Rep>
@@ -198,6 +198,7 @@ where
     Rep: Frame,
     H: Fn(Req) -> Fut + Clone + Send + 'static,
     Fut: Future<Output = Rep> + Send + 'static,
+    S: Stream<Item = Result<Req, Status>> + Send + Unpin + 'static,
 {
     let (tx, rx) = mpsc::channel::<Result<Rep, Status>>(QUEUE);
     let reading = shutdown.clone();
@@ -205,12 +206,12 @@ where
         loop {
             let next = tokio::select! {
                 _ = reading.cancelled() => break,
-                next = inbound.message() => next,
+                next = inbound.next() => next,
             };
             let request = match next {
-                Ok(Some(request)) => request,
-                Ok(None) => break,
-                Err(e) => {
+                Some(Ok(request)) => request,
+                None => break,
+                Some(Err(e)) => {
                     tracing::debug!(error = %e, "multiplexed stream from a peer ended");
                     break;
                 }
@@ -243,7 +244,7 @@ mod tests {
         GatewayMessage,
     };
     use std::time::Duration;
-    use tonic::{Request, Response};
+    use tonic::{Request, Response, Streaming};
 
     /// A peer that takes the command stream and then neither reads it nor answers.
     struct Deaf;
@@ -309,10 +310,8 @@ mod tests {
             let (mux, channel) = (mux.clone(), channel.clone());
             waiting.push(tokio::spawn(async move {
                 let open = |requests| async move {
-                    Ok(BrokerClient::new(channel)
-                        .execute(requests)
-                        .await?
-                        .into_inner())
+                    let replies = BrokerClient::new(channel).execute(requests).await?;
+                    Ok(Box::pin(replies.into_inner()) as Replies<ExecuteReply>)
                 };
                 let request = ExecuteRequest {
                     partition_id: 1,
