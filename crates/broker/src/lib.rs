@@ -58,6 +58,8 @@ pub enum Error {
     Config(#[from] config::ConfigError),
     #[error("storage: {0}")]
     Storage(String),
+    #[error(transparent)]
+    DataDir(#[from] store::DataDirError),
     #[error("raft: {0}")]
     Raft(String),
     #[error("gRPC server: {0}")]
@@ -121,8 +123,8 @@ pub async fn run_with(
     config.validate()?;
     let config = Arc::new(config);
     std::fs::create_dir_all(&config.data_dir)?;
-    store::check_format(&config.data_dir).map_err(Error::Storage)?;
-    store::check_shape(&config.data_dir, &config.shape()).map_err(Error::Storage)?;
+    store::check_format(&config.data_dir)?;
+    store::check_shape(&config.data_dir, &config.shape())?;
     let db = Db::open(&config.data_dir.join("db"), config.durability).map_err(|e| match e {
         fjall::Error::Locked => Error::Storage(format!(
             "the data directory {} is in use by another running broker (or courier dev): stop that one, or give this one another data directory",

@@ -59,26 +59,60 @@ pub const DATA_FORMAT: u32 = 3;
 /// as it could not read what is added).
 const UPGRADES_FROM: u32 = 2;
 
+/// Why a data directory cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum DataDirError {
+    #[error(
+        "the data directory {} was written by another version of Courier ({found}); this \
+         broker reads format {DATA_FORMAT}. Run the version that wrote it, or remove the \
+         directory (its jobs are lost) to start afresh",
+        dir.display()
+    )]
+    OtherFormat { dir: PathBuf, found: String },
+    #[error(
+        "the data directory {} belongs to {recorded}; this broker is configured as \
+         {configured}. Brokers, partitions and replication factor cannot change over \
+         existing data: start with the options that wrote it (for `courier dev`: \
+         --brokers, --partitions, --replication-factor), or use another --data-dir (or \
+         remove this one: its jobs are lost)",
+        dir.display()
+    )]
+    OtherCluster {
+        dir: PathBuf,
+        recorded: String,
+        configured: String,
+    },
+    #[error("cannot {doing} {}: {source}", path.display())]
+    Io {
+        doing: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
 /// Makes sure `dir` holds data this broker can read: a new directory is marked with
 /// [`DATA_FORMAT`], one of [`UPGRADES_FROM`] is marked anew; one written in another
 /// format (or before formats were marked) is refused with what to do, instead of
 /// being misread.
-pub fn check_format(dir: &Path) -> Result<(), String> {
+pub fn check_format(dir: &Path) -> Result<(), DataDirError> {
     let marker = dir.join("FORMAT");
     let refuse = |found: &str| {
-        Err(format!(
-            "the data directory {} was written by another version of Courier ({found}); \
-             this broker reads format {DATA_FORMAT}. Run the version that wrote it, or \
-             remove the directory (its jobs are lost) to start afresh",
-            dir.display()
-        ))
+        Err(DataDirError::OtherFormat {
+            dir: dir.to_path_buf(),
+            found: found.to_string(),
+        })
+    };
+    let io = |doing, source| DataDirError::Io {
+        doing,
+        path: marker.clone(),
+        source,
     };
     match std::fs::read_to_string(&marker) {
         Ok(text) => match text.trim().parse::<u32>() {
             Ok(v) if v == DATA_FORMAT => Ok(()),
             Ok(UPGRADES_FROM) => {
                 write_durably(dir, &marker, format!("{DATA_FORMAT}\n").as_bytes())
-                    .map_err(|e| format!("cannot mark {}: {e}", marker.display()))?;
+                    .map_err(|e| io("mark", e))?;
                 tracing::info!(
                     dir = %dir.display(),
                     "data directory of format {UPGRADES_FROM} marked {DATA_FORMAT}"
@@ -93,9 +127,9 @@ pub fn check_format(dir: &Path) -> Result<(), String> {
                 return refuse("format 1, from before formats were marked");
             }
             write_durably(dir, &marker, format!("{DATA_FORMAT}\n").as_bytes())
-                .map_err(|e| format!("cannot mark {}: {e}", marker.display()))
+                .map_err(|e| io("mark", e))
         }
-        Err(e) => Err(format!("cannot read {}: {e}", marker.display())),
+        Err(e) => Err(io("read", e)),
     }
 }
 
@@ -104,32 +138,37 @@ pub fn check_format(dir: &Path) -> Result<(), String> {
 /// partitions come from it, and a replica restarted into another one would misread
 /// its log (openraft panics on it) and hand out keys again. A new directory, or one
 /// from before shapes were recorded, is marked with `shape`.
-pub fn check_shape(dir: &Path, shape: &str) -> Result<(), String> {
+pub fn check_shape(dir: &Path, shape: &str) -> Result<(), DataDirError> {
     if !compare_shape(dir, shape)? {
         let marker = dir.join("CLUSTER");
-        write_durably(dir, &marker, format!("{shape}\n").as_bytes())
-            .map_err(|e| format!("cannot mark {}: {e}", marker.display()))?;
+        write_durably(dir, &marker, format!("{shape}\n").as_bytes()).map_err(|source| {
+            DataDirError::Io {
+                doing: "mark",
+                path: marker.clone(),
+                source,
+            }
+        })?;
     }
     Ok(())
 }
 
 /// [`check_shape`] without marking anything: whether `dir` records `shape` (true),
 /// records none (false), or another one (the error says what to do).
-pub fn compare_shape(dir: &Path, shape: &str) -> Result<bool, String> {
+pub fn compare_shape(dir: &Path, shape: &str) -> Result<bool, DataDirError> {
     let marker = dir.join("CLUSTER");
     match std::fs::read_to_string(&marker) {
         Ok(text) if text.trim() == shape => Ok(true),
-        Ok(text) => Err(format!(
-            "the data directory {} belongs to {}; this broker is configured as {shape}. \
-             Brokers, partitions and replication factor cannot change over existing \
-             data: start with the options that wrote it (for `courier dev`: --brokers, \
-             --partitions, --replication-factor), or use another --data-dir (or remove \
-             this one: its jobs are lost)",
-            dir.display(),
-            text.trim()
-        )),
+        Ok(text) => Err(DataDirError::OtherCluster {
+            dir: dir.to_path_buf(),
+            recorded: text.trim().to_string(),
+            configured: shape.to_string(),
+        }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(format!("cannot read {}: {e}", marker.display())),
+        Err(source) => Err(DataDirError::Io {
+            doing: "read",
+            path: marker,
+            source,
+        }),
     }
 }
 
@@ -493,7 +532,7 @@ mod tests {
             format!("{DATA_FORMAT}\n")
         );
         std::fs::write(data.join("FORMAT"), "1").unwrap();
-        let e = check_format(&data).unwrap_err();
+        let e = check_format(&data).unwrap_err().to_string();
         assert!(
             e.contains("format 1") && e.contains("remove the directory"),
             "{e}"
@@ -501,7 +540,7 @@ mod tests {
         // Data from before the marker existed.
         let old = dir.path().join("old");
         std::fs::create_dir_all(old.join("db")).unwrap();
-        let e = check_format(&old).unwrap_err();
+        let e = check_format(&old).unwrap_err().to_string();
         assert!(e.contains("before formats were marked"), "{e}");
     }
 
@@ -517,16 +556,22 @@ mod tests {
         );
         check_shape(&data, one).expect("its own shape");
         let three = "node 1 of brokers [1, 2, 3], 2 partitions, replication factor 3";
-        let e = check_shape(&data, three).unwrap_err();
+        let e = check_shape(&data, three).unwrap_err().to_string();
         assert!(
             e.contains(one) && e.contains(three) && e.contains("--brokers"),
             "{e}"
         );
         // The refusal leaves the directory as it was.
         check_shape(&data, one).expect("still its own shape");
-        assert_eq!(compare_shape(&data, one), Ok(true));
-        assert!(compare_shape(&data, three).is_err());
-        assert_eq!(compare_shape(&dir.path().join("new"), three), Ok(false));
+        assert!(matches!(compare_shape(&data, one), Ok(true)));
+        assert!(matches!(
+            compare_shape(&data, three),
+            Err(DataDirError::OtherCluster { .. })
+        ));
+        assert!(matches!(
+            compare_shape(&dir.path().join("new"), three),
+            Ok(false)
+        ));
         assert!(!dir.path().join("new").exists(), "comparing marks nothing");
     }
 
