@@ -13,6 +13,12 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 
+/// The most bytes of a job's headers passed in COURIER_JOB_HEADERS. Linux refuses
+/// to start a program with one environment string over 128 KiB (E2BIG), which would
+/// fail the job and spend a retry; larger headers go in a file named by
+/// COURIER_JOB_HEADERS_FILE instead.
+const HEADERS_IN_ENV: usize = 32 * 1024;
+
 /// The most of a handler's stderr or stdout quoted in a failure message: the end
 /// of it, where the error usually is.
 const MESSAGE_LIMIT: usize = 2000;
@@ -27,7 +33,8 @@ pub struct WorkerArgs {
     /// JSON on stdin; a JSON object it prints on stdout completes the job with those
     /// variables (nothing printed: no variables); a non-zero exit fails the job with
     /// stderr as the message. COURIER_JOB_KEY, COURIER_JOB_TYPE, COURIER_JOB_RETRIES
-    /// and COURIER_JOB_HEADERS describe the job.
+    /// and COURIER_JOB_HEADERS describe the job (headers over 32 KiB are in the file
+    /// COURIER_JOB_HEADERS_FILE names instead).
     #[arg(long)]
     pub handler: String,
     /// At most this many jobs at a time.
@@ -150,9 +157,29 @@ async fn run_handler(command: &str, job: &ActivatedJob) -> JobOutcome {
         .arg(command)
         .env("COURIER_JOB_KEY", job.key.to_string())
         .env("COURIER_JOB_TYPE", &job.r#type)
-        .env("COURIER_JOB_RETRIES", job.retries.to_string())
-        .env("COURIER_JOB_HEADERS", or_empty_object(&job.custom_headers))
-        .stdin(Stdio::piped())
+        .env("COURIER_JOB_RETRIES", job.retries.to_string());
+    let headers = or_empty_object(&job.custom_headers);
+    // Removed when the handler is done, whatever happened.
+    let _headers_file = if headers.len() <= HEADERS_IN_ENV {
+        cmd.env("COURIER_JOB_HEADERS", headers);
+        None
+    } else {
+        match HeadersFile::write(job.key, headers).await {
+            Ok(file) => {
+                cmd.env("COURIER_JOB_HEADERS_FILE", &file.0);
+                Some(file)
+            }
+            // This worker's own trouble, not the job's: no retry is spent on it.
+            Err(e) => {
+                return JobOutcome::fail_with(
+                    format!("cannot write the job's headers for its handler: {e}"),
+                    job.retries,
+                    Duration::from_secs(5),
+                );
+            }
+        }
+    };
+    cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         // A handler abandoned at the end of the shutdown grace is killed with it.
@@ -180,6 +207,28 @@ async fn run_handler(command: &str, job: &ActivatedJob) -> JobOutcome {
     match output {
         Ok(out) => outcome_of(out.status, &out.stdout, &out.stderr),
         Err(e) => JobOutcome::fail(format!("cannot run the handler: {e}")),
+    }
+}
+
+/// A job's headers in a file of the system's temporary folder, removed on drop.
+struct HeadersFile(std::path::PathBuf);
+
+impl HeadersFile {
+    async fn write(key: i64, headers: &str) -> std::io::Result<HeadersFile> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!(
+            "courier-job-{key}-{}-{n}-headers.json",
+            std::process::id()
+        ));
+        tokio::fs::write(&path, headers).await?;
+        Ok(HeadersFile(path))
+    }
+}
+
+impl Drop for HeadersFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
     }
 }
 
@@ -314,6 +363,36 @@ mod tests {
 
     fn exit(code: i32) -> ExitStatus {
         ExitStatus::from_raw(code << 8)
+    }
+
+    #[tokio::test]
+    async fn headers_too_large_for_the_environment_reach_the_handler_in_a_file() {
+        let small = r#"{"a":"b"}"#.to_string();
+        let large = format!(r#"{{"big":"{}"}}"#, "x".repeat(300 * 1024));
+        // The handler prints how many bytes of headers it was given, whichever way.
+        let handler = r#"if [ -n "$COURIER_JOB_HEADERS_FILE" ]; then n=$(wc -c < "$COURIER_JOB_HEADERS_FILE"); else n=$(printf %s "$COURIER_JOB_HEADERS" | wc -c); fi; echo "{\"bytes\": $n, \"type\": \"$COURIER_JOB_TYPE\"}""#;
+        for headers in [small, large] {
+            let job = ActivatedJob {
+                key: 7,
+                r#type: "t".into(),
+                custom_headers: headers.clone(),
+                ..Default::default()
+            };
+            let expected = format!(r#"{{"bytes":{},"type":"t"}}"#, headers.len());
+            assert_eq!(
+                run_handler(handler, &job).await,
+                JobOutcome::complete_with(expected.as_str())
+            );
+        }
+        let left = std::fs::read_dir(std::env::temp_dir())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| {
+                let name = e.file_name().to_string_lossy().to_string();
+                name.starts_with("courier-job-7-") && name.contains(&std::process::id().to_string())
+            })
+            .count();
+        assert_eq!(left, 0, "the headers file is removed");
     }
 
     #[test]
