@@ -130,45 +130,41 @@ pub fn peer_refused() {
     PEERS_REFUSED.inc();
 }
 
-/// Append-entries this broker received as a follower, by whether they carried
-/// entries (`some`) or only a leader's heartbeat or commit index (`none`).
-static APPENDS_RECEIVED: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    register(built(IntCounterVec::new(
-        Opts::new(
-            "courier_broker_raft_appends_received_total",
-            "Append-entries received from leaders, by whether they carried entries (some) or only a heartbeat or commit index (none)",
-        ),
+/// A counter of append-entries by whether they carried entries (`some`) or only a
+/// heartbeat or commit index (`none`), its two series looked up once: every append
+/// counts.
+fn by_entries(name: &str, help: &str) -> [IntCounter; 2] {
+    let vec = register(built(IntCounterVec::new(
+        Opts::new(name, help),
         &["entries"],
-    )))
+    )));
+    ["none", "some"].map(|entries| vec.with_label_values(&[entries]))
+}
+
+/// Append-entries this broker received as a follower.
+static APPENDS_RECEIVED: LazyLock<[IntCounter; 2]> = LazyLock::new(|| {
+    by_entries(
+        "courier_broker_raft_appends_received_total",
+        "Append-entries received from leaders, by whether they carried entries (some) or only a heartbeat or commit index (none)",
+    )
 });
 
-/// The two counters of [`APPENDS_RECEIVED`], looked up once: every append counts.
-static APPENDS_BY_ENTRIES: LazyLock<[IntCounter; 2]> = LazyLock::new(|| {
-    ["none", "some"].map(|entries| APPENDS_RECEIVED.with_label_values(&[entries]))
+/// Append-entries this broker sent as a leader.
+static APPENDS_SENT: LazyLock<[IntCounter; 2]> = LazyLock::new(|| {
+    by_entries(
+        "courier_broker_raft_appends_sent_total",
+        "Append-entries sent to followers, by whether they carried entries (some) or only a heartbeat or commit index (none)",
+    )
 });
 
 /// Counts an append-entries received, with or without entries.
 pub fn append_received(with_entries: bool) {
-    APPENDS_BY_ENTRIES[usize::from(with_entries)].inc();
+    APPENDS_RECEIVED[usize::from(with_entries)].inc();
 }
-
-/// Append-entries this broker sent as a leader, by whether they carried entries.
-static APPENDS_SENT: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    register(built(IntCounterVec::new(
-        Opts::new(
-            "courier_broker_raft_appends_sent_total",
-            "Append-entries sent to followers, by whether they carried entries (some) or only a heartbeat or commit index (none)",
-        ),
-        &["entries"],
-    )))
-});
-
-static APPENDS_SENT_BY_ENTRIES: LazyLock<[IntCounter; 2]> =
-    LazyLock::new(|| ["none", "some"].map(|entries| APPENDS_SENT.with_label_values(&[entries])));
 
 /// Counts an append-entries sent, with or without entries.
 pub fn append_sent(with_entries: bool) {
-    APPENDS_SENT_BY_ENTRIES[usize::from(with_entries)].inc();
+    APPENDS_SENT[usize::from(with_entries)].inc();
 }
 
 /// News of a commit alone that a leader left for its next message to a follower.
@@ -536,8 +532,8 @@ pub fn init() {
         LazyLock::force(c);
     }
     LazyLock::force(&PEERS_UNREACHABLE);
-    LazyLock::force(&APPENDS_BY_ENTRIES);
-    LazyLock::force(&APPENDS_SENT_BY_ENTRIES);
+    LazyLock::force(&APPENDS_RECEIVED);
+    LazyLock::force(&APPENDS_SENT);
     LazyLock::force(&REQUEST_SECONDS);
     LazyLock::force(&POSITIONS);
     let refused = courier_proto::push_refusal::ALL.map(|r| format!("refused_{r}"));

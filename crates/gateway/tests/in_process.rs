@@ -150,6 +150,15 @@ impl Cluster {
     }
 }
 
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.gateway_stop.cancel();
+        for stop in self.stops.values() {
+            stop.cancel();
+        }
+    }
+}
+
 /// Receives pushed jobs from `stream` until `keys` are all there (within 20 s),
 /// completing each; fails on a job pushed twice or not created.
 async fn take_and_complete(
@@ -268,11 +277,6 @@ async fn jobs_are_pushed_polled_and_completed_through_in_process_brokers() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
-
-    cluster.gateway_stop.cancel();
-    for stop in cluster.stops.values() {
-        stop.cancel();
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -296,9 +300,4 @@ async fn commands_and_pushes_follow_a_partition_to_its_next_leader() {
     assert_ne!(next, leader);
     let after = cluster.create("moved", 10).await;
     take_and_complete(&mut gateway, &mut stream, &after).await;
-
-    cluster.gateway_stop.cancel();
-    for stop in cluster.stops.values() {
-        stop.cancel();
-    }
 }
