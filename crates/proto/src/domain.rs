@@ -184,7 +184,7 @@ pub fn job_too_large(bytes: usize) -> String {
 }
 
 /// What a worker asks for when it activates jobs (poll) or opens a stream.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ActivationProps {
     pub job_type: String,
     pub worker: String,

@@ -214,6 +214,70 @@ impl Logical {
     }
 }
 
+/// The logical streams of one job type, found by their properties in one step, so
+/// registering and unregistering cost the same however many there are.
+#[derive(Default)]
+struct TypeStreams {
+    logicals: Vec<Logical>,
+    /// Properties -> position in `logicals`.
+    index: std::collections::HashMap<ActivationProps, usize>,
+}
+
+impl TypeStreams {
+    fn get(&self, props: &ActivationProps) -> Option<&Logical> {
+        self.index.get(props).map(|&i| &self.logicals[i])
+    }
+
+    /// Adds `r` to the logical stream of `props`, making it if it is the first.
+    fn add(&mut self, props: ActivationProps, r: Recipient) {
+        match self.index.get(&props) {
+            Some(&i) => {
+                let l = &mut self.logicals[i];
+                if !l.recipients.contains(&r) {
+                    l.recipients.push(r);
+                }
+            }
+            None => {
+                self.index.insert(props.clone(), self.logicals.len());
+                self.logicals.push(Logical {
+                    props,
+                    recipients: vec![r],
+                });
+            }
+        }
+    }
+
+    /// Takes `r` from the logical stream of `props`; the stream goes with its last.
+    fn remove(&mut self, props: &ActivationProps, r: &Recipient) {
+        let Some(&i) = self.index.get(props) else {
+            return;
+        };
+        self.logicals[i].recipients.retain(|x| x != r);
+        if !self.logicals[i].recipients.is_empty() {
+            return;
+        }
+        self.index.remove(props);
+        self.logicals.swap_remove(i);
+        if let Some(moved) = self.logicals.get(i) {
+            self.index.insert(moved.props.clone(), i);
+        }
+    }
+
+    /// Keeps the recipients `keep` says, and the logical streams left with any.
+    fn retain(&mut self, keep: impl Fn(&Recipient) -> bool) {
+        for l in &mut self.logicals {
+            l.recipients.retain(&keep);
+        }
+        self.logicals.retain(|l| !l.recipients.is_empty());
+        self.index = self
+            .logicals
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (l.props.clone(), i))
+            .collect();
+    }
+}
+
 /// What this broker knows of a recipient's credit. The gateway reports this
 /// broker's `share` of the stream's free credit with the number of pushes it had
 /// `received` from us; we count what we `sent` (reserved) since the link opened.
@@ -236,7 +300,9 @@ impl Credit {
 #[derive(Default)]
 pub struct JobStreamRegistry {
     /// job type -> logical streams of that type.
-    streams: DashMap<String, Vec<Logical>>,
+    streams: DashMap<String, TypeStreams>,
+    /// Each registered recipient's properties.
+    registered: DashMap<Recipient, ActivationProps>,
     /// Credit per recipient; a recipient without a report has none.
     credits: DashMap<Recipient, Credit>,
     links: DashMap<LinkId, Arc<Link>>,
@@ -298,12 +364,10 @@ impl JobStreamRegistry {
             link.queries.clear();
         }
         self.credits.retain(|r, _| r.link != id);
-        self.streams.retain(|_, logicals| {
-            for l in logicals.iter_mut() {
-                l.recipients.retain(|r| r.link != id);
-            }
-            logicals.retain(|l| !l.recipients.is_empty());
-            !logicals.is_empty()
+        self.registered.retain(|r, _| r.link != id);
+        self.streams.retain(|_, streams| {
+            streams.retain(|r| r.link != id);
+            !streams.logicals.is_empty()
         });
         self.update_gauge();
     }
@@ -403,33 +467,39 @@ impl JobStreamRegistry {
     /// A gateway's aggregated stream can take jobs.
     pub fn register(&self, link: LinkId, stream_id: StreamId, props: ActivationProps) {
         let recipient = Recipient { link, stream_id };
-        let mut logicals = self.streams.entry(props.job_type.clone()).or_default();
-        match logicals.iter_mut().find(|l| l.props == props) {
-            Some(l) => {
-                if !l.recipients.contains(&recipient) {
-                    l.recipients.push(recipient);
-                }
+        // A stream id registered again with other properties leaves its old stream.
+        if let Some(old) = self.registered.insert(recipient.clone(), props.clone()) {
+            if old != props {
+                self.remove_recipient(&old, &recipient);
             }
-            None => logicals.push(Logical {
-                props,
-                recipients: vec![recipient],
-            }),
         }
-        drop(logicals);
+        self.streams
+            .entry(props.job_type.clone())
+            .or_default()
+            .add(props, recipient);
         self.update_gauge();
     }
 
     pub fn unregister(&self, link: LinkId, stream_id: StreamId) {
         let gone = Recipient { link, stream_id };
         self.credits.remove(&gone);
-        self.streams.retain(|_, logicals| {
-            for l in logicals.iter_mut() {
-                l.recipients.retain(|r| *r != gone);
-            }
-            logicals.retain(|l| !l.recipients.is_empty());
-            !logicals.is_empty()
-        });
+        if let Some((_, props)) = self.registered.remove(&gone) {
+            self.remove_recipient(&props, &gone);
+        }
         self.update_gauge();
+    }
+
+    /// Takes `r` from the logical stream of `props`, and the type's entry with its
+    /// last stream.
+    fn remove_recipient(&self, props: &ActivationProps, r: &Recipient) {
+        let empty = self.streams.get_mut(&props.job_type).is_some_and(|mut s| {
+            s.remove(props, r);
+            s.logicals.is_empty()
+        });
+        if empty {
+            self.streams
+                .remove_if(&props.job_type, |_, s| s.logicals.is_empty());
+        }
     }
 
     /// A stream with free credit for jobs of this type and tenant, if any: the
@@ -437,12 +507,8 @@ impl JobStreamRegistry {
     /// its credit for the command. What the command does not use goes back with
     /// [`Self::refund`]. No credit anywhere: `None`, and the jobs wait in the backlog.
     pub fn lookup(&self, job_type: &str, tenant: &str, max: u32) -> Option<PushTarget> {
-        let logicals = self.streams.get(job_type)?;
-        let candidates = logicals
-            .iter()
-            .filter(|l| l.takes(tenant))
-            .flat_map(|l| l.recipients.iter().map(move |r| (l, r)));
-        let (l, r) = self.in_turn(candidates)?;
+        let streams = self.streams.get(job_type)?;
+        let (l, r) = self.in_turn(&streams.logicals, Some(tenant))?;
         let held = self.hold(r, max)?;
         Some(PushTarget {
             props: l.props.clone(),
@@ -454,9 +520,9 @@ impl JobStreamRegistry {
 
     /// Like [`Self::lookup`], for exactly these properties (back-fill).
     pub fn target_for(&self, props: &ActivationProps, max: u32) -> Option<PushTarget> {
-        let logicals = self.streams.get(&props.job_type)?;
-        let l = logicals.iter().find(|l| &l.props == props)?;
-        let (_, r) = self.in_turn(l.recipients.iter().map(|r| (l, r)))?;
+        let streams = self.streams.get(&props.job_type)?;
+        let l = streams.get(props)?;
+        let (_, r) = self.in_turn(std::slice::from_ref(l), None)?;
         let held = self.hold(r, max)?;
         Some(PushTarget {
             props: props.clone(),
@@ -466,20 +532,30 @@ impl JobStreamRegistry {
         })
     }
 
-    /// The candidates with available credit take turns, whatever their credit: the
-    /// one with the most would win every light-load push, and workers that state a
-    /// smaller credit (another `maxJobsActive`) would get nothing. Under load a
-    /// candidate whose credit is used up drops out until it frees some.
+    /// The recipients of `logicals` that take `tenant`'s jobs (any, for `None`) and have available
+    /// credit take turns, whatever their credit: the one with the most would win
+    /// every light-load push, and workers that state a smaller credit (another
+    /// `maxJobsActive`) would get nothing. Under load a recipient whose credit is
+    /// used up drops out until it frees some. The search starts where the turn
+    /// points and takes the first with credit, so it costs one step while streams
+    /// have credit, however many there are.
     fn in_turn<'a>(
         &self,
-        candidates: impl Iterator<Item = (&'a Logical, &'a Recipient)>,
+        logicals: &'a [Logical],
+        tenant: Option<&str>,
     ) -> Option<(&'a Logical, &'a Recipient)> {
-        let all: Vec<_> = candidates.filter(|(_, r)| self.available(r) > 0).collect();
-        if all.is_empty() {
-            return None;
-        }
+        let n = logicals.len();
         let turn = self.turn.fetch_add(1, Ordering::Relaxed);
-        Some(all[turn % all.len()])
+        (0..n)
+            .map(|i| &logicals[turn.wrapping_add(i) % n])
+            .filter(|l| tenant.is_none_or(|t| l.takes(t)))
+            .find_map(|l| {
+                let k = l.recipients.len();
+                (0..k)
+                    .map(|j| &l.recipients[(turn / n.max(1)).wrapping_add(j) % k])
+                    .find(|r| self.available(r) > 0)
+                    .map(|r| (l, r))
+            })
     }
 
     /// Credit of `r` that pushes may take now: none while its link's queue is full
@@ -538,11 +614,12 @@ impl JobStreamRegistry {
     /// The properties of every logical stream that takes jobs of this type and tenant
     /// and has a recipient with credit: the streams a back-fill could push to now.
     pub fn streams_with_room(&self, job_type: &str, tenant: &str) -> Vec<ActivationProps> {
-        let Some(logicals) = self.streams.get(job_type) else {
+        let Some(streams) = self.streams.get(job_type) else {
             return Vec::new();
         };
         // Collected, so the map's guard is gone before a back-fill takes credit.
-        logicals
+        streams
+            .logicals
             .iter()
             .filter(|l| l.takes(tenant))
             .filter(|l| l.recipients.iter().any(|r| self.available(r) > 0))
@@ -553,10 +630,10 @@ impl JobStreamRegistry {
     /// Every recipient of the logical stream with these properties, starting after
     /// `first`: the order in which a refused push tries the others.
     pub fn others(&self, props: &ActivationProps, first: &Recipient) -> Vec<Recipient> {
-        let Some(logicals) = self.streams.get(&props.job_type) else {
+        let Some(streams) = self.streams.get(&props.job_type) else {
             return Vec::new();
         };
-        let Some(l) = logicals.iter().find(|l| &l.props == props) else {
+        let Some(l) = streams.get(props) else {
             return Vec::new();
         };
         let start = l
@@ -573,12 +650,7 @@ impl JobStreamRegistry {
     /// The properties of a gateway's stream, if registered.
     pub fn props_of(&self, link: LinkId, stream_id: StreamId) -> Option<ActivationProps> {
         let r = Recipient { link, stream_id };
-        self.streams.iter().find_map(|e| {
-            e.value()
-                .iter()
-                .find(|l| l.recipients.contains(&r))
-                .map(|l| l.props.clone())
-        })
+        self.registered.get(&r).map(|p| p.clone())
     }
 
     /// Every registered logical stream's properties, e.g. to back-fill after a
@@ -588,6 +660,7 @@ impl JobStreamRegistry {
             .iter()
             .flat_map(|e| {
                 e.value()
+                    .logicals
                     .iter()
                     .map(|l| l.props.clone())
                     .collect::<Vec<_>>()
@@ -604,11 +677,7 @@ impl JobStreamRegistry {
             .gauge_lock
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let n: usize = self
-            .streams
-            .iter()
-            .map(|e| e.value().iter().map(|l| l.recipients.len()).sum::<usize>())
-            .sum();
+        let n = self.registered.len();
         gauge.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 }

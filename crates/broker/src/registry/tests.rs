@@ -366,3 +366,41 @@ fn a_push_that_cannot_be_queued_gives_its_credit_back() {
     assert!(reg.lookup("b", DEFAULT_TENANT, 1).is_none());
     drop(t);
 }
+
+/// The least time, of three tries, to register `n` streams of one type with
+/// distinct properties (one worker each), look a target up for each, and
+/// unregister them all.
+fn register_lookup_unregister(n: u64) -> std::time::Duration {
+    (0..3)
+        .map(|_| {
+            let reg = JobStreamRegistry::for_node(90_002);
+            let start = std::time::Instant::now();
+            for i in 0..n {
+                reg.register(LinkId(1), StreamId(i), props("t", &format!("w{i}")));
+                reg.report_credit(LinkId(1), StreamId(i), 4, 0);
+            }
+            for _ in 0..n {
+                let target = reg.lookup("t", DEFAULT_TENANT, 1).unwrap();
+                reg.refund(&target.recipient, 1);
+            }
+            for i in 0..n {
+                reg.unregister(LinkId(1), StreamId(i));
+            }
+            assert!(reg.all_props().is_empty());
+            start.elapsed()
+        })
+        .min()
+        .unwrap()
+}
+
+#[test]
+fn registrations_of_many_distinct_properties_cost_in_proportion_to_their_number() {
+    let few = register_lookup_unregister(1_000);
+    let many = register_lookup_unregister(20_000);
+    // 20 times as many: 20 times the work when each costs the same, 400 times when
+    // each costs in proportion to those already there. A wide margin for noise.
+    assert!(
+        many < few * 60,
+        "1,000 streams: {few:?}; 20,000 streams: {many:?}"
+    );
+}

@@ -28,17 +28,10 @@ impl AggregatedStreams {
         stream.spare_room = stream
             .spare_room
             .saturating_sub(spare_share(client.credit, spare_percent));
-        if let Some(pos) = stream.clients.iter().position(|&c| c == client_id) {
-            stream.clients.remove(pos);
-            // The rotation goes on with the client that followed the one removed.
-            if pos < stream.next {
-                stream.next -= 1;
-            }
-        }
-        if stream.next >= stream.clients.len() {
-            stream.next = 0;
-        }
-        let left = stream.clients.len();
+        stream.ready.remove(&client_id);
+        stream.free = stream.free.saturating_sub(u64::from(client.counted));
+        stream.members = stream.members.saturating_sub(1);
+        let left = stream.members;
         metrics::stream_clients(-1);
         // Dropping its sender (the only one) means the buffer below is all there is.
         drop(client);
@@ -96,17 +89,21 @@ impl AggregatedStreams {
         );
         if left == 0 {
             if let Some(s) = st.streams.remove(&stream_id) {
-                if !st
-                    .streams
-                    .values()
-                    .any(|o| o.props.job_type == s.props.job_type)
-                {
-                    CreditGauges::forget(&s.props.job_type);
+                let job_type = &s.props.job_type;
+                let last_of_type = st.by_type.get_mut(job_type).is_none_or(|ids| {
+                    ids.remove(&stream_id);
+                    ids.is_empty()
+                });
+                if last_of_type {
+                    st.by_type.remove(job_type);
+                    CreditGauges::forget(job_type);
                 }
                 st.by_props.remove(&PropsKey(s.props));
             }
             st.dirty.remove(&stream_id);
             st.capped.remove(&stream_id);
+            st.demanded.remove(&stream_id);
+            st.with_spare.remove(&stream_id);
             for link in st.links.values_mut() {
                 link.streams.remove(&stream_id);
             }
@@ -126,15 +123,10 @@ impl AggregatedStreams {
     /// Client `client_id` took job `b` from its buffer. True when the job is still
     /// its to run; false when the activation it came with ended while it waited there
     /// (it timed out, finished elsewhere, or was pushed again): its credit already came
-    /// back, and running it would run it twice or after its end. `starved`: the
-    /// stream's last report was held down by this client's buffer, so it reports again.
-    pub(super) fn take(
-        &self,
-        stream_id: StreamId,
-        client_id: ClientId,
-        b: &Buffered,
-        starved: bool,
-    ) -> bool {
+    /// back, and running it would run it twice or after its end. When its buffer held
+    /// its free credit down (jobs whose credit came back while buffered), the room
+    /// made is credit to report, and to hand spare jobs to.
+    pub(super) fn take(&self, stream_id: StreamId, client_id: ClientId, b: &Buffered) -> bool {
         let mut st = self.lock();
         let key = b.key();
         let current = st.holds(key, Holder::Client(client_id), b.lease);
@@ -146,7 +138,7 @@ impl AggregatedStreams {
                 "activation ended while buffered; dropped"
             );
         }
-        if starved && st.streams.contains_key(&stream_id) {
+        if st.recount(client_id) && st.streams.contains_key(&stream_id) {
             st.dirty.insert(stream_id);
             st.drain_spare(stream_id);
             self.wake_if_dirty(&st);
@@ -184,7 +176,6 @@ pub struct ClientStream {
     pub(super) client_id: ClientId,
     pub(super) credit: u32,
     pub(super) rx: mpsc::Receiver<Buffered>,
-    pub(super) starved: Arc<AtomicBool>,
 }
 
 impl ClientStream {
@@ -210,11 +201,7 @@ impl Stream for ClientStream {
                 Poll::Ready(None) => return Poll::Ready(None),
                 Poll::Pending => return Poll::Pending,
             };
-            let starved = self.starved.swap(false, Ordering::Relaxed);
-            if self
-                .streams
-                .take(self.stream_id, self.client_id, &b, starved)
-            {
+            if self.streams.take(self.stream_id, self.client_id, &b) {
                 return Poll::Ready(Some(*b.job));
             }
         }

@@ -4,14 +4,8 @@
 use super::*;
 
 /// The free credit of stream `s`: its clients' and its spare room's.
-pub(super) fn free_of(clients: &HashMap<ClientId, Client>, s: &Aggregated) -> u64 {
-    let of_clients: u64 = s
-        .clients
-        .iter()
-        .filter_map(|c| clients.get(c))
-        .map(|c| u64::from(c.free()))
-        .sum();
-    of_clients + spare_offered(s)
+pub(super) fn free_of(s: &Aggregated) -> u64 {
+    s.free + spare_offered(s)
 }
 
 /// The spare room a stream offers as credit.

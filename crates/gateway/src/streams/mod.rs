@@ -63,8 +63,8 @@ use courier_proto::sync::lock;
 use futures::Stream;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
+use std::ops::Bound;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -181,15 +181,15 @@ impl Buffered {
 }
 
 struct Client {
+    stream_id: StreamId,
     /// Its capacity is the credit.
     tx: mpsc::Sender<Buffered>,
     credit: u32,
     /// Jobs handed to it and not finished, buffered or not.
     held: u32,
-    /// Set when the last report of the stream was held down by this client's buffer
-    /// (jobs released while still buffered): the client taking a job then makes the
-    /// stream report again, or that credit would never be offered.
-    starved: Arc<AtomicBool>,
+    /// Its [`free`](Self::free) as last counted into its stream's
+    /// [`Aggregated::free`] and `ready` (see [`State::recount`]).
+    counted: u32,
 }
 
 impl Client {
@@ -202,13 +202,21 @@ impl Client {
 }
 
 /// Client streams that share activation properties.
+///
+/// Its clients' free credit is counted as it changes, and those with some are kept
+/// in an ordered set, so a push, a credit report and a client leaving cost the same
+/// with a hundred thousand clients as with one.
 struct Aggregated {
     props: ActivationProps,
-    /// Client ids, in the order the rotation visits them.
-    clients: Vec<ClientId>,
-    /// Where the next search for the client with the most credit starts, so ties
-    /// go round.
-    next: usize,
+    /// How many clients it has.
+    members: usize,
+    /// Its clients that may be handed a job now (free credit, room in the buffer),
+    /// by id: jobs go round them in that order.
+    ready: BTreeSet<ClientId>,
+    /// The client the last job went to: the next goes to the first ready one after it.
+    last: ClientId,
+    /// The sum of its clients' free credit, as counted.
+    free: u64,
     /// Where the remainder of the credit split starts, so it goes round the brokers.
     rotate: usize,
     gauges: CreditGauges,
@@ -304,6 +312,13 @@ impl Hash for PropsKey {
 struct State {
     limits: Limits,
     by_props: HashMap<PropsKey, StreamId>,
+    /// Streams per job type, for notices of available jobs.
+    by_type: HashMap<String, BTreeSet<StreamId>>,
+    /// Streams some broker has jobs for that it had no credit to push (a non-empty
+    /// [`Aggregated::wanted`]): those whose demand ages.
+    demanded: BTreeSet<StreamId>,
+    /// Streams that have had spare jobs since the last sweep looked.
+    with_spare: BTreeSet<StreamId>,
     streams: HashMap<StreamId, Aggregated>,
     clients: HashMap<ClientId, Client>,
     links: HashMap<NodeId, LinkEntry>,
@@ -347,6 +362,9 @@ impl AggregatedStreams {
             state: Mutex::new(State {
                 limits,
                 by_props: HashMap::new(),
+                by_type: HashMap::new(),
+                demanded: BTreeSet::new(),
+                with_spare: BTreeSet::new(),
                 streams: HashMap::new(),
                 clients: HashMap::new(),
                 links: HashMap::new(),
@@ -405,8 +423,10 @@ impl AggregatedStreams {
                     Aggregated {
                         gauges: CreditGauges::for_type(&key.0.job_type),
                         props: key.0.clone(),
-                        clients: Vec::new(),
-                        next: 0,
+                        members: 0,
+                        ready: BTreeSet::new(),
+                        last: ClientId(0),
+                        free: 0,
                         rotate: 0,
                         spare: VecDeque::new(),
                         spared: 0,
@@ -416,28 +436,33 @@ impl AggregatedStreams {
                         prefer: None,
                     },
                 );
+                st.by_type
+                    .entry(key.0.job_type.clone())
+                    .or_default()
+                    .insert(id);
                 st.by_props.insert(key, id);
                 metrics::aggregated_streams(1);
                 st.broadcast(&register, "register");
                 id
             }
         };
-        let starved = Arc::new(AtomicBool::new(false));
         let spare = spare_share(credit, st.limits.spare_percent);
         if let Some(s) = st.streams.get_mut(&stream_id) {
-            s.clients.push(client_id);
+            s.members += 1;
             s.spare_room = s.spare_room.saturating_add(spare);
             s.gauges.add(0, i64::from(credit));
         }
         st.clients.insert(
             client_id,
             Client {
+                stream_id,
                 tx,
                 credit,
                 held: 0,
-                starved: starved.clone(),
+                counted: 0,
             },
         );
+        st.recount(client_id);
         let adopted = st.adopt(stream_id, client_id, held);
         if adopted > 0 {
             tracing::debug!(
@@ -458,7 +483,6 @@ impl AggregatedStreams {
             client_id,
             credit,
             rx,
-            starved,
         }
     }
 
@@ -595,11 +619,21 @@ impl AggregatedStreams {
         let mut st = self.lock();
         let now = Instant::now();
         let mut wanting = Vec::new();
-        let State { streams, links, .. } = &mut *st;
-        for (&id, s) in streams.iter_mut() {
-            if s.props.job_type != job_type || !s.props.tenant_ids.iter().any(|t| t == tenant) {
+        let State {
+            streams,
+            links,
+            by_type,
+            demanded,
+            ..
+        } = &mut *st;
+        for &id in by_type.get(job_type).into_iter().flatten() {
+            let Some(s) = streams.get_mut(&id) else {
+                continue;
+            };
+            if !s.props.tenant_ids.iter().any(|t| t == tenant) {
                 continue;
             }
+            demanded.insert(id);
             let new = s.wanted.insert(node, now).is_none();
             s.prefer = Some(node);
             // A broker that announces again re-splits the credit only when it has

@@ -13,16 +13,17 @@ impl State {
     pub(super) fn age_demand(&mut self, now: Instant) {
         let State {
             streams,
-            clients,
             dirty,
             links,
+            demanded,
             ..
         } = self;
-        for (&id, s) in streams.iter_mut() {
-            if s.wanted.is_empty() {
+        demanded.retain(|id| streams.get(id).is_some_and(|s| !s.wanted.is_empty()));
+        for &id in demanded.iter() {
+            let Some(s) = streams.get_mut(&id) else {
                 continue;
-            }
-            if free_of(clients, s) == 0 {
+            };
+            if free_of(s) == 0 {
                 s.wanted.values_mut().for_each(|at| *at = now);
                 continue;
             }
@@ -46,9 +47,16 @@ impl State {
     /// Gives back the spare jobs of every stream whose oldest spare job has waited
     /// [`SPARE_WAIT`] for a client with room, and pauses its spare room.
     pub(super) fn yield_waited_spare(&mut self, now: Instant) {
+        let State {
+            streams,
+            with_spare,
+            ..
+        } = self;
+        with_spare.retain(|id| streams.get(id).is_some_and(|s| !s.spare.is_empty()));
         let waited: Vec<StreamId> = self
-            .streams
+            .with_spare
             .iter()
+            .filter_map(|id| self.streams.get_key_value(id))
             .filter(|(_, s)| {
                 s.spare.iter().find_map(|b| {
                     self.held
@@ -227,6 +235,7 @@ impl State {
             }
             adopted += 1;
         }
+        self.recount(client_id);
         adopted
     }
 
@@ -269,10 +278,11 @@ impl State {
         match self
             .streams
             .get_mut(&stream_id)
-            .filter(|s| !s.clients.is_empty() && !s.spare_paused && s.spare_fits())
+            .filter(|s| s.members > 0 && !s.spare_paused && s.spare_fits())
         {
             Some(s) => {
                 s.spare.push_back(b);
+                self.with_spare.insert(stream_id);
                 s.spared += 1;
                 metrics::spare_jobs(1);
                 Ok(())
@@ -341,37 +351,55 @@ impl State {
         let Some(stream) = self.streams.get_mut(&stream_id) else {
             return Err((job, UNKNOWN_STREAM));
         };
-        let n = stream.clients.len();
-        if n == 0 {
+        if stream.members == 0 {
             return Err((job, NO_CLIENT));
         }
         // Round-robin over the clients that have credit: each client in turn, one
         // that cannot take a job is skipped (issue: round-robin, never random).
-        let Some(at) = (0..n).map(|i| (stream.next + i) % n).find(|&at| {
-            self.clients
-                .get(&stream.clients[at])
-                .is_some_and(|c| c.free() > 0)
-        }) else {
+        let Some(client_id) = stream
+            .ready
+            .range((Bound::Excluded(stream.last), Bound::Unbounded))
+            .next()
+            .or_else(|| stream.ready.first())
+            .copied()
+        else {
             return Err((job, CLIENTS_FULL));
         };
-        if at != stream.next {
-            metrics::push_try_next();
-        }
-        let client_id = stream.clients[at];
         let Some(client) = self.clients.get_mut(&client_id) else {
             return Err((job, CLIENTS_FULL));
         };
-        // Cannot fail: the client had room in its buffer (checked under this lock,
-        // and only we send), and its receiver lives while it is listed.
+        // Cannot fail: a ready client had room in its buffer when counted (only we
+        // send, under this lock), and its receiver lives while it is listed.
         if let Err(e) = client.tx.try_send(job) {
             tracing::warn!(%client_id, "a client with credit could not take a job");
             metrics::push_try_next();
             return Err((e.into_inner(), CLIENTS_FULL));
         }
         client.held += 1;
-        stream.next = (at + 1) % n;
+        stream.last = client_id;
         stream.gauges.add(1, -1);
+        self.recount(client_id);
         Ok(client_id)
+    }
+
+    /// Counts client `client_id`'s free credit anew into its stream's sum and ready
+    /// set, after its holds or its buffer changed. True when it grew.
+    pub(super) fn recount(&mut self, client_id: ClientId) -> bool {
+        let Some(c) = self.clients.get_mut(&client_id) else {
+            return false;
+        };
+        let free = c.free();
+        let old = std::mem::replace(&mut c.counted, free);
+        let Some(s) = self.streams.get_mut(&c.stream_id) else {
+            return false;
+        };
+        s.free = (s.free + u64::from(free)).saturating_sub(u64::from(old));
+        if free > 0 {
+            s.ready.insert(client_id);
+        } else {
+            s.ready.remove(&client_id);
+        }
+        free > old
     }
 
     /// Ends the hold on job `key`, if any: its client (if still there) and the gateway
@@ -390,14 +418,15 @@ impl State {
             }
             metrics::spare_jobs(-1);
             self.dirty.insert(h.stream_id);
-        } else if let Some(c) = match h.holder {
-            Holder::Client(c) => self.clients.get_mut(&c),
+        } else if let Some((id, c)) = match h.holder {
+            Holder::Client(id) => self.clients.get_mut(&id).map(|c| (id, c)),
             Holder::Spare => None,
         } {
             c.held = c.held.saturating_sub(1);
             if let Some(s) = self.streams.get(&h.stream_id) {
                 s.gauges.add(-1, 1);
             }
+            self.recount(id);
             self.dirty.insert(h.stream_id);
             self.drain_spare(h.stream_id);
         }
@@ -433,14 +462,7 @@ impl State {
             let Some(stream) = self.streams.get_mut(&id) else {
                 continue;
             };
-            let mut sum = 0u64;
-            for c in stream.clients.iter().filter_map(|c| self.clients.get(c)) {
-                let free = c.free();
-                if free < c.credit.saturating_sub(c.held) {
-                    c.starved.store(true, Ordering::Relaxed);
-                }
-                sum += u64::from(free);
-            }
+            let mut sum = stream.free;
             if sum > 0 {
                 // A client has room again: so may the spare.
                 stream.spare_paused = false;

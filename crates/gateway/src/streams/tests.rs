@@ -4,6 +4,8 @@ use courier_proto::domain::DEFAULT_TENANT;
 use futures::FutureExt;
 use futures::StreamExt;
 
+mod scale;
+
 /// Declared held jobs as `join_holding` takes them.
 fn jobs_held(pairs: &[(i64, i64)]) -> Vec<(JobKey, i64)> {
     pairs.iter().map(|&(k, d)| (JobKey(k), d)).collect()
