@@ -200,6 +200,7 @@ pub async fn run_with(
         listener,
         server_tls,
         metrics::peer_refused,
+        None,
         shutdown.clone(),
     );
     let broker_service = BrokerService {

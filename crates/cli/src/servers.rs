@@ -3,6 +3,7 @@
 
 use anyhow::{bail, Context};
 use courier_broker::{BrokerConfig, Durability, RaftTuning};
+use courier_gateway::admission::Bounds;
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -184,6 +185,8 @@ pub struct GatewayArgs {
     #[arg(long, default_value_t = 50)]
     stream_spare_percent: u32,
     #[command(flatten)]
+    bounds: GatewayBounds,
+    #[command(flatten)]
     client_tls: crate::security::ClientPortTlsArgs,
     #[command(flatten)]
     cluster_tls: crate::security::ClusterTlsArgs,
@@ -191,6 +194,43 @@ pub struct GatewayArgs {
     auth: crate::security::AuthArgs,
     #[command(flatten)]
     pub runtime: ServerRuntime,
+}
+
+/// The gateway's bounds. Past one, a connection is closed at once and a call is
+/// refused RESOURCE_EXHAUSTED at once: clients back off or go to another gateway.
+#[derive(clap::Args)]
+struct GatewayBounds {
+    /// Client connections held at once (TLS handshakes included).
+    #[arg(long, default_value_t = Bounds::DEFAULT.max_connections)]
+    max_connections: usize,
+    /// Concurrent calls (HTTP/2 streams) per client connection, advertised to the
+    /// client, which waits for a free one or opens another connection.
+    #[arg(long, default_value_t = Bounds::DEFAULT.max_calls_per_connection)]
+    max_calls_per_connection: u32,
+    /// StreamActivatedJobs streams held at once.
+    #[arg(long, default_value_t = Bounds::DEFAULT.max_job_streams)]
+    max_job_streams: usize,
+    /// ActivateJobs long polls parked waiting for jobs at once.
+    #[arg(long, default_value_t = Bounds::DEFAULT.max_parked_polls)]
+    max_parked_polls: usize,
+    /// Pushed jobs held unfinished across all stream clients; past it, brokers are
+    /// told there is no room and jobs wait at the brokers.
+    #[arg(long, default_value_t = courier_gateway::DEFAULT_MAX_INFLIGHT_JOBS)]
+    max_inflight_jobs: usize,
+    /// Bytes (variables and custom headers) of those jobs.
+    #[arg(long, default_value_t = courier_gateway::DEFAULT_MAX_INFLIGHT_BYTES)]
+    max_inflight_bytes: usize,
+}
+
+impl GatewayBounds {
+    fn bounds(&self) -> Bounds {
+        Bounds {
+            max_connections: self.max_connections,
+            max_calls_per_connection: self.max_calls_per_connection.max(1),
+            max_job_streams: self.max_job_streams,
+            max_parked_polls: self.max_parked_polls,
+        }
+    }
 }
 
 /// What the servers log unless `RUST_LOG` says otherwise. openraft warns of every
@@ -573,6 +613,9 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
         push_enabled: !a.no_push,
         client_credit: a.client_credit.max(1),
         stream_spare_percent: a.stream_spare_percent,
+        max_inflight_jobs: a.bounds.max_inflight_jobs,
+        max_inflight_bytes: a.bounds.max_inflight_bytes,
+        bounds: a.bounds.bounds(),
         tls: a.client_tls.config(),
         cluster_tls,
         auth: a.auth.config(),

@@ -9,6 +9,9 @@ pub enum GatewayError {
     /// The client's request is malformed; the message names the field.
     #[error("{0}")]
     InvalidArgument(String),
+    /// The gateway is at one of its admission bounds (see [`crate::admission`]).
+    #[error("{0}")]
+    ResourceExhausted(String),
     /// The caller may not act for the tenant the request names.
     #[error("{0}")]
     PermissionDenied(String),
@@ -42,6 +45,7 @@ impl From<GatewayError> for tonic::Status {
         match e {
             GatewayError::InvalidArgument(m) => tonic::Status::invalid_argument(m),
             GatewayError::PermissionDenied(m) => tonic::Status::permission_denied(m),
+            GatewayError::ResourceExhausted(m) => tonic::Status::resource_exhausted(m),
             GatewayError::Broker(b) => b.into(),
             e @ (GatewayError::BadBrokerAddress { .. }
             | GatewayError::NoBrokers

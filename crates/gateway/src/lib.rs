@@ -14,6 +14,7 @@
 //! - [`error`]: [`GatewayError`] and its mapping to gRPC statuses.
 //! - [`auth`]: static tokens and OAuth JWTs, and the tenants of each caller.
 
+pub mod admission;
 pub mod auth;
 pub mod error;
 pub mod grpc;
@@ -85,6 +86,8 @@ pub struct GatewayConfig {
     pub cluster_tls: Option<courier_proto::tls::ClusterTls>,
     /// Who may call the job services; `None`: anyone, on every tenant.
     pub auth: Option<AuthConfig>,
+    /// Admission bounds: connections, calls per connection, job streams, parked polls.
+    pub bounds: admission::Bounds,
 }
 
 /// The client port's certificate and key, PEM files read again when they change.
@@ -103,6 +106,11 @@ pub struct AuthConfig {
     pub jwt: Option<auth::jwt::JwtSettings>,
 }
 
+/// Default of [`GatewayConfig::max_inflight_jobs`].
+pub const DEFAULT_MAX_INFLIGHT_JOBS: usize = 100_000;
+/// Default of [`GatewayConfig::max_inflight_bytes`].
+pub const DEFAULT_MAX_INFLIGHT_BYTES: usize = 256 * 1024 * 1024;
+
 impl Default for GatewayConfig {
     fn default() -> Self {
         GatewayConfig {
@@ -111,13 +119,14 @@ impl Default for GatewayConfig {
             default_request_timeout: Duration::from_secs(15),
             topology_refresh: Duration::from_millis(500),
             client_credit: 32,
-            max_inflight_jobs: 100_000,
-            max_inflight_bytes: 256 * 1024 * 1024,
+            max_inflight_jobs: DEFAULT_MAX_INFLIGHT_JOBS,
+            max_inflight_bytes: DEFAULT_MAX_INFLIGHT_BYTES,
             stream_spare_percent: 50,
             push_enabled: true,
             tls: None,
             cluster_tls: None,
             auth: None,
+            bounds: admission::Bounds::default(),
         }
     }
 }
@@ -156,6 +165,25 @@ async fn authenticator(
     Ok(Arc::new(a))
 }
 
+/// Sets the gauges of the configured bounds.
+fn publish_bounds(config: &GatewayConfig) {
+    use admission::Bound;
+    let b = &config.bounds;
+    for (bound, value) in [
+        (Bound::Connections, b.max_connections),
+        (
+            Bound::CallsPerConnection,
+            usize::try_from(b.max_calls_per_connection).unwrap_or(usize::MAX),
+        ),
+        (Bound::JobStreams, b.max_job_streams),
+        (Bound::ParkedPolls, b.max_parked_polls),
+        (Bound::InflightJobs, config.max_inflight_jobs),
+        (Bound::InflightBytes, config.max_inflight_bytes),
+    ] {
+        metrics::bound(bound, value);
+    }
+}
+
 /// Serves until `shutdown` is cancelled, then stops every task it started and returns.
 pub async fn serve(
     config: GatewayConfig,
@@ -192,6 +220,8 @@ pub async fn serve_with(
         max_inflight_bytes: config.max_inflight_bytes,
         spare_percent: config.stream_spare_percent,
     });
+    let admission = admission::Admission::new(config.bounds);
+    publish_bounds(&config);
     let gateway_id = format!("gateway-{:016x}", rand::random::<u64>());
     tracing::info!(
         gateway_id,
@@ -230,6 +260,7 @@ pub async fn serve_with(
             requests: requests.clone(),
             stop: stop.clone(),
         },
+        admission,
     );
     // Zeebe's clients (the Node.js SDK always) compress requests with gzip; answers
     // stay uncompressed, where compression would only add latency.
@@ -271,12 +302,23 @@ pub async fn serve_with(
         clients.clone(),
     );
 
-    let incoming =
-        courier_proto::tls::incoming(listener, client_tls, metrics::tls_refused, clients.clone());
+    let connections = courier_proto::tls::ConnectionLimit::new(
+        config.bounds.max_connections,
+        metrics::connections,
+        metrics::connection_refused,
+    );
+    let incoming = courier_proto::tls::incoming(
+        listener,
+        client_tls,
+        metrics::tls_refused,
+        Some(connections),
+        clients.clone(),
+    );
 
     let result = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(CLIENT_KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(CLIENT_KEEPALIVE_TIMEOUT))
+        .max_concurrent_streams(Some(config.bounds.max_calls_per_connection))
         .add_service(gateway)
         .add_service(jobs)
         .add_service(health)

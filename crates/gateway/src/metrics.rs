@@ -36,6 +36,9 @@ struct Metrics {
     activations_given_back: IntCounter,
     auth_refused: IntCounterVec,
     tls_refused: IntCounter,
+    connections: IntGauge,
+    bounds: IntGaugeVec,
+    admission_refused: IntCounterVec,
 }
 
 static METRICS: LazyLock<Option<Metrics>> = LazyLock::new(|| match build() {
@@ -122,7 +125,7 @@ fn build() -> prometheus::Result<Metrics> {
         )?,
         push_try_next: IntCounter::new(
             "courier_gateway_push_try_next_total",
-            "Stream clients skipped because they could not take a pushed job",
+            "Stream clients counted as having room that could not take a pushed job",
         )?,
         jobs_yielded: IntCounterVec::new(
             Opts::new(
@@ -189,7 +192,32 @@ fn build() -> prometheus::Result<Metrics> {
             "courier_gateway_tls_refused_total",
             "Client connections dropped in the TLS handshake (plaintext, or a bad handshake)",
         )?,
+        connections: IntGauge::new(
+            "courier_gateway_connections",
+            "Client connections the gateway holds (TLS handshakes included)",
+        )?,
+        bounds: IntGaugeVec::new(
+            Opts::new(
+                "courier_gateway_bound",
+                "The gateway's admission bounds as configured, by bound (connections, \
+                 calls_per_connection, job_streams, parked_polls, inflight_jobs, inflight_bytes): \
+                 compare with courier_gateway_connections, _stream_clients, \
+                 _long_poll_parked, _inflight_jobs and _inflight_bytes",
+            ),
+            &["bound"],
+        )?,
+        admission_refused: IntCounterVec::new(
+            Opts::new(
+                "courier_gateway_admission_refused_total",
+                "Connections closed and requests refused RESOURCE_EXHAUSTED at an admission \
+                 bound, by bound",
+            ),
+            &["bound"],
+        )?,
     };
+    for bound in crate::admission::Bound::ALL {
+        m.admission_refused.with_label_values(&[bound.label()]);
+    }
     for reason in ["missing", "malformed", "unknown_token"]
         .into_iter()
         .chain(crate::auth::jwt::JwtError::REASONS)
@@ -211,7 +239,7 @@ fn build() -> prometheus::Result<Metrics> {
         m.push_rejected.with_label_values(&[reason]);
     }
     let registry = prometheus::default_registry();
-    let collectors: [Box<dyn prometheus::core::Collector>; 25] = [
+    let collectors: [Box<dyn prometheus::core::Collector>; 28] = [
         Box::new(m.requests.clone()),
         Box::new(m.request_duration.clone()),
         Box::new(m.long_poll_parked.clone()),
@@ -237,6 +265,9 @@ fn build() -> prometheus::Result<Metrics> {
         Box::new(m.activations_given_back.clone()),
         Box::new(m.auth_refused.clone()),
         Box::new(m.tls_refused.clone()),
+        Box::new(m.connections.clone()),
+        Box::new(m.bounds.clone()),
+        Box::new(m.admission_refused.clone()),
     ];
     for c in collectors {
         if let Err(e) = registry.register(c) {
@@ -420,6 +451,33 @@ pub fn tls_refused() {
 }
 
 /// Jobs kept in streams' spare room moved by `n`.
+pub fn connections(delta: i64) {
+    if let Some(m) = METRICS.as_ref() {
+        m.connections.add(delta);
+    }
+}
+
+pub fn connection_refused() {
+    admission_refused(crate::admission::Bound::Connections);
+}
+
+pub fn admission_refused(bound: crate::admission::Bound) {
+    if let Some(m) = METRICS.as_ref() {
+        m.admission_refused
+            .with_label_values(&[bound.label()])
+            .inc();
+    }
+}
+
+/// Publishes a configured bound.
+pub fn bound(bound: crate::admission::Bound, value: usize) {
+    if let Some(m) = METRICS.as_ref() {
+        m.bounds
+            .with_label_values(&[bound.label()])
+            .set(i64::try_from(value).unwrap_or(i64::MAX));
+    }
+}
+
 pub fn spare_jobs(n: i64) {
     if let Some(m) = METRICS.as_ref() {
         m.spare_jobs.add(n);

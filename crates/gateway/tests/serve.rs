@@ -5,6 +5,7 @@
 // Helpers outside #[test] fns are not covered by clippy.toml's allow-unwrap-in-tests.
 #![allow(clippy::unwrap_used)]
 
+use courier_gateway::admission::Bounds;
 use courier_gateway::{serve, GatewayConfig};
 use courier_proto::courier_v1 as v1;
 use courier_proto::courier_v1::jobs_client::JobsClient;
@@ -20,27 +21,35 @@ async fn dead_address() -> String {
     l.local_addr().unwrap().to_string()
 }
 
-async fn start() -> (
-    Channel,
-    CancellationToken,
-    tokio::task::JoinHandle<Result<(), courier_gateway::GatewayError>>,
-) {
+type Server = tokio::task::JoinHandle<Result<(), courier_gateway::GatewayError>>;
+
+async fn start() -> (Channel, CancellationToken, Server) {
+    let (addr, token, server) = start_with(Bounds::default()).await;
+    (connect(&addr).await.unwrap(), token, server)
+}
+
+/// A gateway with these bounds and no broker reachable, and its address.
+async fn start_with(bounds: Bounds) -> (String, CancellationToken, Server) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
     let config = GatewayConfig {
         brokers: vec![dead_address().await],
         default_request_timeout: Duration::from_millis(400),
         topology_refresh: Duration::from_millis(50),
+        bounds,
         ..Default::default()
     };
     let token = CancellationToken::new();
     let server = tokio::spawn(serve(config, listener, token.clone()));
-    let channel = Endpoint::from_shared(format!("http://{addr}"))
+    (addr, token, server)
+}
+
+/// A new connection to `addr`.
+async fn connect(addr: &str) -> Result<Channel, tonic::transport::Error> {
+    Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect()
         .await
-        .unwrap();
-    (channel, token, server)
 }
 
 fn activate(request_timeout: i64) -> gw::ActivateJobsRequest {
@@ -316,4 +325,120 @@ async fn a_request_that_does_not_decode_is_an_invalid_argument() {
     assert!(e.message().contains("UTF-8"), "{e:?}");
     token.cancel();
     server.await.unwrap().unwrap();
+}
+
+fn stream_request() -> gw::StreamActivatedJobsRequest {
+    gw::StreamActivatedJobsRequest {
+        r#type: "t".into(),
+        worker: "w".into(),
+        timeout: 1000,
+        ..Default::default()
+    }
+}
+
+/// The value of a counter of the process's default registry, by one label.
+fn counter(name: &str, label: (&str, &str)) -> u64 {
+    prometheus::gather()
+        .iter()
+        .filter(|f| f.name() == name)
+        .flat_map(|f| f.get_metric().iter())
+        .filter(|m| {
+            m.get_label()
+                .iter()
+                .any(|l| l.name() == label.0 && l.value() == label.1)
+        })
+        .map(|m| m.get_counter().get_value() as u64)
+        .sum()
+}
+
+#[tokio::test]
+async fn past_its_bounds_the_gateway_refuses_at_once_and_takes_again_when_a_place_frees() {
+    let (addr, token, server) = start_with(Bounds {
+        max_connections: 2,
+        max_calls_per_connection: 3,
+        max_job_streams: 2,
+        max_parked_polls: 1,
+    })
+    .await;
+    let refused = |bound| counter("courier_gateway_admission_refused_total", ("bound", bound));
+    let refused_before = (refused("job_streams"), refused("parked_polls"));
+    let first = connect(&addr).await.unwrap();
+    let second = connect(&addr).await.unwrap();
+    let mut a = GatewayClient::new(first);
+    let mut b = GatewayClient::new(second);
+
+    // Job streams: two held, the third refused at once.
+    let s1 = a.stream_activated_jobs(stream_request()).await.unwrap();
+    let _s2 = a.stream_activated_jobs(stream_request()).await.unwrap();
+    let start = Instant::now();
+    let e = b.stream_activated_jobs(stream_request()).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("limit of 2 job streams"), "{e:?}");
+    assert!(start.elapsed() < Duration::from_secs(1));
+
+    // Parked polls: one parked, the next refused once it finds nothing. Until the
+    // first is parked, the second may park in its place (and the first be refused):
+    // then both are asked again.
+    let park = |mut client: GatewayClient<Channel>| {
+        let mut request = tonic::Request::new(activate(30_000));
+        request.set_timeout(Duration::from_secs(30));
+        tokio::spawn(async move {
+            let mut s = client.activate_jobs(request).await?.into_inner();
+            s.message().await
+        })
+    };
+    let mut poll = park(a.clone());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let e = loop {
+        assert!(Instant::now() < deadline, "never refused");
+        if poll.is_finished() {
+            poll = park(a.clone());
+        }
+        // A moment for the first to park before the second asks.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        match b.activate_jobs(activate(100)).await.map(|s| s.into_inner()) {
+            Ok(mut s) => {
+                if let Err(e) = s.message().await {
+                    break e;
+                }
+            }
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("parked ActivateJobs"), "{e:?}");
+    assert!(!poll.is_finished(), "the first poll stays parked");
+
+    // Calls per connection: `a` has three open (two streams, one poll), so a fourth
+    // waits for a free one while the other connection is served.
+    let mut a4 = a.clone();
+    let fourth = tokio::spawn(async move { a4.topology(gw::TopologyRequest {}).await });
+    b.topology(gw::TopologyRequest {}).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !fourth.is_finished(),
+        "a fourth call on one connection waits"
+    );
+    drop(s1);
+    let answered = tokio::time::timeout(Duration::from_secs(5), fourth).await;
+    assert!(matches!(answered, Ok(Ok(Ok(_)))), "{answered:?}");
+
+    // A place freed (the stream dropped): a stream is taken again.
+    b.stream_activated_jobs(stream_request()).await.unwrap();
+
+    // Connections: a third is closed at once.
+    let third = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut c = GatewayClient::new(connect(&addr).await?);
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(c.topology(gw::TopologyRequest {}).await?)
+    })
+    .await
+    .expect("refused at once, not left waiting");
+    assert!(third.is_err(), "a third connection is refused: {third:?}");
+
+    assert!(refused("job_streams") > refused_before.0);
+    assert!(refused("parked_polls") > refused_before.1);
+    assert!(refused("connections") >= 1);
+    token.cancel();
+    let stopped = tokio::time::timeout(Duration::from_secs(5), server).await;
+    assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
 }

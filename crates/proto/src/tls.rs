@@ -12,6 +12,7 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
@@ -309,8 +310,14 @@ pub fn peer_uri(addr: &str, tls: bool) -> String {
     }
 }
 
-/// A connection a server accepted: plain TCP, or TLS over it.
-pub enum ServerIo {
+/// A connection a server accepted: plain TCP, or TLS over it, holding its place
+/// under the server's [`ConnectionLimit`] (if any) until it is dropped.
+pub struct ServerIo {
+    io: Io,
+    _slot: Option<ConnectionSlot>,
+}
+
+enum Io {
     Plain(TcpStream),
     Tls(Box<TlsStream<TcpStream>>),
 }
@@ -319,9 +326,9 @@ impl Connected for ServerIo {
     type ConnectInfo = TcpConnectInfo;
 
     fn connect_info(&self) -> TcpConnectInfo {
-        match self {
-            ServerIo::Plain(s) => s.connect_info(),
-            ServerIo::Tls(s) => s.get_ref().0.connect_info(),
+        match &self.io {
+            Io::Plain(s) => s.connect_info(),
+            Io::Tls(s) => s.get_ref().0.connect_info(),
         }
     }
 }
@@ -332,9 +339,9 @@ impl AsyncRead for ServerIo {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            ServerIo::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            ServerIo::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        match &mut self.get_mut().io {
+            Io::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
         }
     }
 }
@@ -345,9 +352,9 @@ impl AsyncWrite for ServerIo {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            ServerIo::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            ServerIo::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        match &mut self.get_mut().io {
+            Io::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
         }
     }
 
@@ -356,31 +363,87 @@ impl AsyncWrite for ServerIo {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            ServerIo::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            ServerIo::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        match &mut self.get_mut().io {
+            Io::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
         }
     }
 
     fn is_write_vectored(&self) -> bool {
-        match self {
-            ServerIo::Plain(s) => s.is_write_vectored(),
-            ServerIo::Tls(s) => s.is_write_vectored(),
+        match &self.io {
+            Io::Plain(s) => s.is_write_vectored(),
+            Io::Tls(s) => s.is_write_vectored(),
         }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            ServerIo::Plain(s) => Pin::new(s).poll_flush(cx),
-            ServerIo::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        match &mut self.get_mut().io {
+            Io::Plain(s) => Pin::new(s).poll_flush(cx),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
         }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            ServerIo::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            ServerIo::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        match &mut self.get_mut().io {
+            Io::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
+    }
+}
+
+/// A bound on the connections a server holds at once, TLS handshakes included. A
+/// connection past it is closed as soon as it is accepted: the client sees
+/// UNAVAILABLE and tries again (or another server) instead of waiting in a queue,
+/// and a flood of connections costs the server a socket for an instant each.
+pub struct ConnectionLimit {
+    max: usize,
+    open: AtomicUsize,
+    /// Told of each change of the open count (+1 or -1), e.g. for a gauge.
+    on_change: fn(i64),
+    /// Told of each connection closed for the bound.
+    on_refused: fn(),
+}
+
+impl ConnectionLimit {
+    /// At most `max` connections; `on_change` and `on_refused` keep the metrics.
+    pub fn new(max: usize, on_change: fn(i64), on_refused: fn()) -> Arc<Self> {
+        Arc::new(ConnectionLimit {
+            max,
+            open: AtomicUsize::new(0),
+            on_change,
+            on_refused,
+        })
+    }
+
+    /// Connections held now.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// A place for one more connection, or `None` (counted as refused) at the bound.
+    fn admit(self: &Arc<Self>) -> Option<ConnectionSlot> {
+        let admitted = self
+            .open
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .is_ok();
+        if !admitted {
+            (self.on_refused)();
+            return None;
+        }
+        (self.on_change)(1);
+        Some(ConnectionSlot(self.clone()))
+    }
+}
+
+/// One connection's place under a [`ConnectionLimit`], given back when dropped.
+struct ConnectionSlot(Arc<ConnectionLimit>);
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::AcqRel);
+        (self.0.on_change)(-1);
     }
 }
 
@@ -388,12 +451,14 @@ impl AsyncWrite for ServerIo {
 /// product), and with `tls` completed handshakes only: each handshake runs on its
 /// own task, so a slow or silent client holds up no one, and one that fails (a
 /// plaintext client, a peer without a certificate of the cluster) is dropped with
-/// a debug line and counted by `on_refused`. Accepting stops on `shutdown` or when
-/// the stream is dropped.
+/// a debug line and counted by `on_refused`. Past `limit` a connection is closed at
+/// once (see [`ConnectionLimit`]). Accepting stops on `shutdown` or when the stream
+/// is dropped.
 pub fn incoming(
     listener: TcpListener,
     tls: Option<Arc<ServerConfig>>,
     on_refused: fn(),
+    limit: Option<Arc<ConnectionLimit>>,
     shutdown: CancellationToken,
 ) -> ReceiverStream<io::Result<ServerIo>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
@@ -414,11 +479,25 @@ pub fn incoming(
                     }
                 },
             };
+            let slot = match &limit {
+                Some(limit) => match limit.admit() {
+                    Some(slot) => Some(slot),
+                    None => {
+                        tracing::debug!(%peer, max = limit.max, "connection limit reached; connection closed");
+                        continue;
+                    }
+                },
+                None => None,
+            };
             if let Err(e) = tcp.set_nodelay(true) {
                 tracing::debug!(error = %e, "cannot set TCP_NODELAY");
             }
             let Some(acceptor) = acceptor.clone() else {
-                if tx.send(Ok(ServerIo::Plain(tcp))).await.is_err() {
+                let io = ServerIo {
+                    io: Io::Plain(tcp),
+                    _slot: slot,
+                };
+                if tx.send(Ok(io)).await.is_err() {
                     break;
                 }
                 continue;
@@ -427,7 +506,11 @@ pub fn incoming(
             handshakes.spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(s)) => {
-                        let _ = tx.send(Ok(ServerIo::Tls(Box::new(s)))).await;
+                        let io = ServerIo {
+                            io: Io::Tls(Box::new(s)),
+                            _slot: slot,
+                        };
+                        let _ = tx.send(Ok(io)).await;
                     }
                     Ok(Err(e)) => {
                         on_refused();

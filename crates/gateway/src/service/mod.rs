@@ -5,6 +5,7 @@
 //! This file holds what both share (routing a request about a job, long polls,
 //! creates); `zeebe` and `jobs` the two services.
 
+use crate::admission::Admission;
 use crate::auth::{self, Caller};
 use crate::error::GatewayError;
 use crate::long_poll::{LongPollQueue, Waiter};
@@ -200,6 +201,8 @@ pub struct Shared {
     /// What requests leave behind: polls that outlive a departed client, and
     /// give-backs. The gateway waits for them (a while) before it stops.
     requests: TaskTracker,
+    /// Places for job streams and parked polls.
+    admission: Arc<Admission>,
 }
 
 impl Shared {
@@ -214,6 +217,7 @@ impl Shared {
         push_enabled: bool,
         gateway_id: &str,
         phases: Phases,
+        admission: Arc<Admission>,
     ) -> Arc<Self> {
         Arc::new(Shared {
             router: Router::new(
@@ -233,6 +237,7 @@ impl Shared {
             request_ids: RequestIds::new(),
             clients: phases.clients,
             requests: phases.requests,
+            admission,
         })
     }
 
@@ -353,6 +358,9 @@ impl Shared {
             let (Some(end), Some(w)) = (poll_end, waiter.as_mut()) else {
                 return Ok(None);
             };
+            // Parked, the request holds a place under the gateway's bound until
+            // it is woken; at the bound it is refused at once.
+            let _place = self.admission.parked_poll()?;
             // A notice that chose this waiter as the client left is passed on by
             // the waiter's drop.
             let woken = tokio::select! {

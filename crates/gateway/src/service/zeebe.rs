@@ -120,6 +120,13 @@ impl Gateway for GatewayService {
             observer.finish(tonic::Code::PermissionDenied);
             return Err(e.into());
         }
+        let place = match self.0.admission.job_stream() {
+            Ok(p) => p,
+            Err(e) => {
+                observer.finish(tonic::Code::ResourceExhausted);
+                return Err(e.into());
+            }
+        };
         let (job_type, worker) = (props.job_type.clone(), props.worker.clone());
         let credit = stated_credit(request.metadata());
         let held = self
@@ -138,6 +145,7 @@ impl Gateway for GatewayService {
         // (see `ClientStream`); shutdown ends it cleanly, then counts it as OK.
         let end = futures::stream::once(async move {
             observer.finish(tonic::Code::Ok);
+            drop(place);
             None
         });
         let jobs = client
