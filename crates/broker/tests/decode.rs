@@ -1,10 +1,11 @@
-//! Every decode path of the broker, fed bytes it did not write: random ones, and
+//! Every decode path of the broker (its snapshots: `store::sm` tests), fed bytes it did not write: random ones, and
 //! valid encodings cut short or with bytes changed. Each must answer an error or a
 //! value, never panic, overflow the stack or allocate without bound.
 
 // Helpers outside #[test] fns are not covered by clippy.toml's allow-unwrap-in-tests.
 #![allow(clippy::unwrap_used)]
 
+use courier_broker::engine::{Counters, Job, OnceRecord};
 use courier_broker::raft::{ElectRequest, SnapshotChunkHeader, TypeConfig};
 use courier_proto::cluster::{BrokerMessage, GatewayMessage, RaftFrame};
 use courier_proto::codec;
@@ -22,6 +23,9 @@ fn decode_all(bytes: &[u8]) {
     let _ = codec::decode::<VoteRequest<u64>>(bytes);
     let _ = codec::decode::<ElectRequest>(bytes);
     let _ = codec::decode::<SnapshotChunkHeader>(bytes);
+    let _ = codec::decode::<Job>(bytes);
+    let _ = codec::decode::<Counters>(bytes);
+    let _ = codec::decode::<OnceRecord>(bytes);
     let _ = codec::decode::<Request>(bytes);
     let _ = codec::decode::<Reply>(bytes);
     let _ = BrokerMessage::decode(bytes);

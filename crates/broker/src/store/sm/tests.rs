@@ -212,3 +212,16 @@ async fn a_snapshot_is_the_state_when_the_builder_was_taken() {
     assert_eq!(loaded.meta, snap.meta);
     assert_eq!(loaded.data.as_ref(), snap.snapshot.get_ref());
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(10_000))]
+
+    /// A snapshot sent by a peer, whatever its bytes, decodes to an error or a
+    /// value: never a panic or an allocation its length prefixes claim.
+    #[test]
+    fn any_snapshot_bytes_decode_to_an_error_or_a_value(
+        bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512),
+    ) {
+        let _ = SnapshotData::decode(&bytes);
+    }
+}
