@@ -76,57 +76,64 @@ impl Bound {
 /// The counted bounds of one gateway: job streams and parked polls. (Connections
 /// are counted where they are accepted, by a [`courier_proto::tls::ConnectionLimit`].)
 pub struct Admission {
-    bounds: Bounds,
-    job_streams: AtomicUsize,
-    parked_polls: AtomicUsize,
+    job_streams: Counted,
+    parked_polls: Counted,
+}
+
+/// Places held under one bound.
+struct Counted {
+    held: AtomicUsize,
+    max: usize,
+    bound: Bound,
+    /// What is held, for the refusal's message.
+    what: &'static str,
 }
 
 impl Admission {
     pub fn new(bounds: Bounds) -> Arc<Self> {
+        let counted = |max, bound, what| Counted {
+            held: AtomicUsize::new(0),
+            max,
+            bound,
+            what,
+        };
         Arc::new(Admission {
-            bounds,
-            job_streams: AtomicUsize::new(0),
-            parked_polls: AtomicUsize::new(0),
+            job_streams: counted(bounds.max_job_streams, Bound::JobStreams, "job streams"),
+            parked_polls: counted(
+                bounds.max_parked_polls,
+                Bound::ParkedPolls,
+                "parked ActivateJobs requests",
+            ),
         })
     }
 
     /// A place for one more StreamActivatedJobs client, held until dropped.
     pub fn job_stream(self: &Arc<Self>) -> Result<Place, GatewayError> {
-        self.take(Bound::JobStreams)
+        self.take(|a| &a.job_streams)
     }
 
     /// A place for one more parked ActivateJobs request, held until dropped.
     pub fn parked_poll(self: &Arc<Self>) -> Result<Place, GatewayError> {
-        self.take(Bound::ParkedPolls)
+        self.take(|a| &a.parked_polls)
     }
 
-    fn counter(&self, bound: Bound) -> (&AtomicUsize, usize) {
-        match bound {
-            Bound::ParkedPolls => (&self.parked_polls, self.bounds.max_parked_polls),
-            _ => (&self.job_streams, self.bounds.max_job_streams),
-        }
-    }
-
-    fn take(self: &Arc<Self>, bound: Bound) -> Result<Place, GatewayError> {
-        let (count, max) = self.counter(bound);
-        if count
+    fn take(self: &Arc<Self>, under: fn(&Admission) -> &Counted) -> Result<Place, GatewayError> {
+        let c = under(self);
+        let taken = c
+            .held
             .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .is_err()
-        {
-            metrics::admission_refused(bound);
+                (n < c.max).then_some(n + 1)
+            });
+        if taken.is_err() {
+            metrics::admission_refused(c.bound);
             return Err(GatewayError::ResourceExhausted(format!(
-                "this gateway holds its limit of {max} {}; try again later or another gateway",
-                match bound {
-                    Bound::ParkedPolls => "parked ActivateJobs requests",
-                    _ => "job streams",
-                }
+                "this gateway holds its limit of {} {}; try again later or another gateway",
+                c.max, c.what
             )));
         }
         Ok(Place {
             admission: self.clone(),
-            bound,
+            under,
         })
     }
 }
@@ -134,14 +141,13 @@ impl Admission {
 /// A place under one of the [`Admission`] bounds, given back when dropped.
 pub struct Place {
     admission: Arc<Admission>,
-    bound: Bound,
+    under: fn(&Admission) -> &Counted,
 }
 
 impl Drop for Place {
     fn drop(&mut self) {
-        self.admission
-            .counter(self.bound)
-            .0
+        (self.under)(&self.admission)
+            .held
             .fetch_sub(1, Ordering::AcqRel);
     }
 }

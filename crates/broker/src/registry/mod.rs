@@ -552,7 +552,7 @@ impl JobStreamRegistry {
             .find_map(|l| {
                 let k = l.recipients.len();
                 (0..k)
-                    .map(|j| &l.recipients[(turn / n.max(1)).wrapping_add(j) % k])
+                    .map(|j| &l.recipients[(turn / n).wrapping_add(j) % k])
                     .find(|r| self.available(r) > 0)
                     .map(|r| (l, r))
             })

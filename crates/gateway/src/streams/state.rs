@@ -281,8 +281,11 @@ impl State {
             .filter(|s| s.members > 0 && !s.spare_paused && s.spare_fits())
         {
             Some(s) => {
+                if s.spare.is_empty() {
+                    // A stream with spare jobs is in the set until a sweep finds none.
+                    self.with_spare.insert(stream_id);
+                }
                 s.spare.push_back(b);
-                self.with_spare.insert(stream_id);
                 s.spared += 1;
                 metrics::spare_jobs(1);
                 Ok(())
