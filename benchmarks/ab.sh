@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The job path of this checkout against an earlier commit, in alternating rounds on
+# fresh 3-broker clusters (RF 3, fsync), so a slow spell of this shared machine falls
+# on both arms alike. The same load generator (this checkout's) drives both arms.
+#   bash benchmarks/ab.sh REV            e.g. bash benchmarks/ab.sh c512317
+#   ROUNDS=4 bash benchmarks/ab.sh REV   (about 80 s a round)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
+REV=${1:?usage: benchmarks/ab.sh REV}
+WORK=$(mktemp -d)
+PIDS=()
+stop_all() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; PIDS=(); }
+cleanup() { stop_all; git worktree remove --force "$WORK/base-src" 2>/dev/null || true; rm -rf "$WORK"; }
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# The base's server binary, built in a worktree with a target directory of its own
+# (cargo names a workspace's build outputs by package, not by path, so the two trees
+# would overwrite each other's build-script outputs in one target directory).
+git worktree add --detach "$WORK/base-src" "$REV" >/dev/null 2>&1
+CARGO_TARGET_DIR="$PWD/target/ab-base" cargo build --release -p courier-cli --manifest-path "$WORK/base-src/Cargo.toml"
+mkdir -p "$WORK/base"; cp target/ab-base/release/courier "$WORK/base/courier"
+cargo build --release -p courier-cli -p courier-bench
+BENCH=$PWD/target/release/courier-bench
+declare -A SERVER=([base]="$WORK/base/courier" [head]="$PWD/target/release/courier")
+
+start() { # arm
+  local bin=${SERVER[$1]} ports peers i
+  rm -rf "$WORK/data"
+  ports=("$(free_port)" "$(free_port)" "$(free_port)")
+  peers="1=127.0.0.1:${ports[0]},2=127.0.0.1:${ports[1]},3=127.0.0.1:${ports[2]}"
+  for i in 1 2 3; do
+    "$bin" broker --node-id $i --addr "127.0.0.1:${ports[$((i-1))]}" --peers "$peers" \
+      --partitions 3 --replication-factor 3 --data-dir "$WORK/data/b$i" >"$WORK/b$i.log" 2>&1 &
+    PIDS+=($!)
+  done
+  ADDR="127.0.0.1:$(free_port)"
+  "$bin" gateway --addr "$ADDR" --brokers "127.0.0.1:${ports[0]},127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}" >"$WORK/gw.log" 2>&1 &
+  PIDS+=($!)
+  for _ in $(seq 1 200); do
+    if "$bin" status --address "$ADDR" --retry-budget 0s 2>/dev/null | grep -q PARTITION \
+      && ! "$bin" status --address "$ADDR" --retry-budget 0s | grep -q "no leader"; then return 0; fi
+    sleep 0.1
+  done
+  echo "the $1 cluster did not become ready" >&2; exit 1
+}
+
+# A row's columns: | label | scenario | p50 | p90 | p99 | ...
+p50() { awk -F'|' '{gsub(/ /, "", $4); print $4}'; }
+p99() { awk -F'|' '{gsub(/ /, "", $6); print $6}'; }
+echo "| round | arm | create acknowledged p50 | push unloaded p50 | push 1000/s p50 | push 1000/s p99 | push 5000/s p50 | push 5000/s p99 |"
+echo "|---|---|---|---|---|---|---|---|"
+for round in $(seq 1 "${ROUNDS:-3}"); do
+  arms=(base head); ((round % 2)) || arms=(head base)
+  for arm in "${arms[@]}"; do
+    start "$arm"
+    create=$("$BENCH" create --address "$ADDR" --label "$arm" --duration 8 --warmup 1 | p50)
+    push=$("$BENCH" e2e --address "$ADDR" --label "$arm" --mode push --duration 8 --warmup 1 | p50)
+    r1=$("$BENCH" e2e --address "$ADDR" --label "$arm" --mode push --workers 8 --rate 1000 --duration 10 --warmup 1)
+    r5=$("$BENCH" e2e --address "$ADDR" --label "$arm" --mode push --workers 8 --rate 5000 --duration 10 --warmup 1)
+    echo "| $round | $arm ($([[ $arm == base ]] && echo "$REV" || git rev-parse --short HEAD)) | $create | $push | $(echo "$r1" | p50) | $(echo "$r1" | p99) | $(echo "$r5" | p50) | $(echo "$r5" | p99) |"
+    stop_all
+  done
+done
