@@ -8,11 +8,13 @@
 
 mod common;
 
+mod bounds;
 mod cluster;
 mod flow;
 mod node_sdk;
 mod push;
 mod pyzeebe;
 mod security;
+mod storage;
 mod worker;
 mod zbctl;

@@ -6,6 +6,7 @@
 
 #![allow(dead_code)]
 
+pub mod disk;
 pub mod secure;
 
 use courier_client::Client;
@@ -78,6 +79,10 @@ pub struct ClusterOpts {
     pub election_timeout: Option<(&'static str, &'static str)>,
     /// Mutual TLS between the processes, TLS and authentication at the gateway.
     pub secure: Option<std::sync::Arc<secure::Secure>>,
+    /// A broker whose data directory is a tmpfs of the given size (`64m`), to fill.
+    pub tmpfs: Option<(u64, &'static str)>,
+    /// `--snapshot-every-bytes` of every broker (None: its default).
+    pub snapshot_every_bytes: Option<u64>,
 }
 
 impl Default for ClusterOpts {
@@ -95,6 +100,8 @@ impl Default for ClusterOpts {
             rebalance_after: None,
             election_timeout: None,
             secure: None,
+            tmpfs: None,
+            snapshot_every_bytes: None,
         }
     }
 }
@@ -214,6 +221,9 @@ pub struct Cluster {
     /// Metrics address of each gateway.
     pub gateway_metrics: Vec<String>,
     pub gateway_addr: String,
+    /// The tmpfs data directory of a broker ([`ClusterOpts::tmpfs`]), unmounted
+    /// after every process is gone.
+    pub tmpfs: BTreeMap<u64, disk::Tmpfs>,
 }
 
 impl Cluster {
@@ -238,7 +248,12 @@ impl Cluster {
             gateway_addrs: vec![gateway_addr.clone()],
             gateway_metrics: vec![format!("127.0.0.1:{}", free_port())],
             gateway_addr,
+            tmpfs: BTreeMap::new(),
         };
+        if let Some((id, size)) = c.opts.tmpfs {
+            c.tmpfs
+                .insert(id, disk::Tmpfs::mount(&c.data_dir(id), size));
+        }
         for id in 1..=c.opts.brokers {
             c.start_broker(id);
         }
@@ -300,6 +315,9 @@ impl Cluster {
         args.extend(self.worker_threads_args());
         if let Some(grace) = self.opts.lost_gateway_grace {
             args.extend(["--lost-gateway-grace".to_string(), grace.to_string()]);
+        }
+        if let Some(bytes) = self.opts.snapshot_every_bytes {
+            args.extend(["--snapshot-every-bytes".to_string(), bytes.to_string()]);
         }
         if let Some(after) = self.opts.rebalance_after {
             args.extend(["--rebalance-after".to_string(), after.to_string()]);

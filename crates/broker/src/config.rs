@@ -56,6 +56,10 @@ pub struct RaftTuning {
     pub snapshot_every: u64,
     /// Entries kept behind a snapshot for followers that lag a little.
     pub keep_after_snapshot: u64,
+    /// A snapshot is also built once this many bytes of entries were written since
+    /// the last one that size asked for: a log of large entries is compacted before
+    /// it fills the disk, whatever their number.
+    pub snapshot_every_bytes: u64,
 }
 
 impl Default for RaftTuning {
@@ -72,6 +76,7 @@ impl Default for RaftTuning {
             election_timeout_max_ms: 600,
             snapshot_every: 20_000,
             keep_after_snapshot: 1000,
+            snapshot_every_bytes: 256 * 1024 * 1024,
         }
     }
 }

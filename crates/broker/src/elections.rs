@@ -62,7 +62,11 @@ pub(super) async fn drive_elections(
             let (voters, candidate, committed) = {
                 let m = p.raft.metrics();
                 let m = m.borrow();
-                if m.state == openraft::ServerState::Leader {
+                // A replica stopped (its storage failed) stands no more.
+                if matches!(
+                    m.state,
+                    openraft::ServerState::Leader | openraft::ServerState::Shutdown
+                ) {
                     continue;
                 }
                 let membership = m.membership_config.membership();

@@ -11,14 +11,18 @@
 //! - `elections`: this broker's election timer, which tells a silent leader from a
 //!   pause of its own process.
 //! - `leadership`: leadership handed off at a stop, and back to preferred brokers.
+//! - `failstop`: the first storage fault stops the broker's replicas for good.
+//! - `compaction`: snapshots by the bytes written to a log, besides by entries.
 //! - [`metrics`]: Prometheus metrics.
 //!
 //! [`run`] starts a broker on a listener and stops it when told to.
 
 pub mod claims;
+mod compaction;
 pub mod config;
 mod elections;
 pub mod engine;
+mod failstop;
 mod leadership;
 pub mod metrics;
 pub mod partition;
@@ -140,8 +144,10 @@ pub async fn run_with(
     let (notices, _) = tokio::sync::broadcast::channel(4096);
     let registry = Arc::new(registry::JobStreamRegistry::for_node(config.node_id));
     let tasks = TaskTracker::new();
+    let fault = db.fault().clone();
 
     let mut partitions = BTreeMap::new();
+    let mut written = Vec::new();
     for p in 1..=config.partitions {
         if !config.replicas(p).contains(&config.node_id) {
             continue;
@@ -159,6 +165,7 @@ pub async fn run_with(
             .map_err(|e| Error::Storage(e.to_string()))?
             .with_durable(log.durable());
         let shared = sm.shared();
+        let written_bytes = log.written_bytes();
         let longer_log = Arc::new(raft::LongerLog::default());
         let network = Network {
             partition: id,
@@ -182,6 +189,7 @@ pub async fn run_with(
             &tasks,
             shutdown.clone(),
         );
+        written.push((part.clone(), written_bytes));
         partitions.insert(p, part);
     }
     let partitions: service::Partitions = Arc::new(partitions);
@@ -208,6 +216,7 @@ pub async fn run_with(
         partitions: partitions.clone(),
         notices,
         registry,
+        fault: fault.clone(),
         shutdown: shutdown.clone(),
     };
     let own_addr = config
@@ -219,9 +228,17 @@ pub async fn run_with(
         brokers.register(&own_addr, Arc::new(broker_service.clone()));
         Unregister(brokers, own_addr.clone())
     });
+    // grpc.health.v1, for probes and load balancers: serving until the broker stops
+    // or its storage fails.
+    let (health, health_service) = tonic_health::server::health_reporter();
+    failstop::set_health(&health, tonic_health::ServingStatus::Serving).await;
+    metrics::STORAGE_FAILED
+        .with_label_values(&[&config.node_id.to_string()])
+        .set(0);
     let server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(5)))
         .http2_keepalive_timeout(Some(Duration::from_secs(5)))
+        .add_service(health_service)
         .add_service(
             RaftServer::new(RaftService {
                 partitions: partitions.clone(),
@@ -241,7 +258,11 @@ pub async fn run_with(
 
     for part in partitions.values() {
         tasks.spawn(initialize(config.clone(), part.clone(), shutdown.clone()));
-        tasks.spawn(track_leadership(part.clone(), shutdown.clone()));
+        tasks.spawn(track_leadership(
+            part.clone(),
+            fault.clone(),
+            shutdown.clone(),
+        ));
         metrics::POSITIONS.track(part);
     }
     tasks.spawn(drive_elections(
@@ -250,6 +271,18 @@ pub async fn run_with(
             config.raft.election_timeout_min_ms,
             config.raft.election_timeout_max_ms,
         ),
+        shutdown.clone(),
+    ));
+    tasks.spawn(compaction::snapshot_by_size(
+        written,
+        config.raft.snapshot_every_bytes,
+        shutdown.clone(),
+    ));
+    tasks.spawn(failstop::stop_on_fault(
+        config.node_id,
+        fault.clone(),
+        partitions.clone(),
+        health.clone(),
         shutdown.clone(),
     ));
     metrics::init();
@@ -274,6 +307,7 @@ pub async fn run_with(
     );
 
     signal.cancelled().await;
+    failstop::set_health(&health, tonic_health::ServingStatus::NotServing).await;
     for part in partitions.values() {
         part.begin_stopping();
     }
@@ -304,8 +338,11 @@ pub async fn run_with(
             server.abort();
         }
     }
-    if let Err(e) = db.sync() {
-        tracing::warn!(error = %e, "final flush failed");
+    // After a storage fault nothing more is flushed (see `failstop`).
+    if fault.get().is_none() {
+        if let Err(e) = db.sync() {
+            tracing::warn!(error = %e, "final flush failed");
+        }
     }
     tracing::info!(node = config.node_id, "broker stopped");
     Ok(())
@@ -353,8 +390,13 @@ async fn initialize(config: Arc<BrokerConfig>, part: Arc<Partition>, shutdown: C
 }
 
 /// Keeps the leadership gauge of a partition current, and its leader state in
-/// step with Raft's role (see `Partition::sync_leadership`).
-async fn track_leadership(part: Arc<Partition>, shutdown: CancellationToken) {
+/// step with Raft's role (see `Partition::sync_leadership`); a replica stopped by
+/// a storage error becomes the broker's fault.
+async fn track_leadership(
+    part: Arc<Partition>,
+    fault: Arc<store::Fault>,
+    shutdown: CancellationToken,
+) {
     // Changes of role or leader only, not every entry.
     let mut m = part.raft.server_metrics();
     let gauge =
@@ -362,6 +404,7 @@ async fn track_leadership(part: Arc<Partition>, shutdown: CancellationToken) {
     loop {
         part.sync_leadership();
         gauge.set(i64::from(part.is_leader()));
+        failstop::note_fatal(&part, &fault);
         tokio::select! {
             _ = shutdown.cancelled() => return,
             r = m.changed() => if r.is_err() { return },

@@ -294,6 +294,26 @@ pub static MAJORITY_LOST: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     )))
 });
 
+/// Snapshots asked for by the bytes written to a log (see `compaction`).
+pub static SIZE_SNAPSHOTS: LazyLock<IntCounter> = LazyLock::new(|| {
+    register(built(IntCounter::new(
+        "courier_broker_size_snapshots_total",
+        "Snapshots asked for because a log had --snapshot-every-bytes written since the last",
+    )))
+});
+
+/// 1 once this broker's storage failed (a write or fdatasync): its replicas are
+/// stopped until it is restarted (see `failstop`).
+pub static STORAGE_FAILED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    register(built(IntGaugeVec::new(
+        Opts::new(
+            "courier_broker_storage_failed",
+            "1 once this broker's storage failed and its replicas stopped for good",
+        ),
+        &["node"],
+    )))
+});
+
 /// Gateway links open on this broker.
 pub static LINKS: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     register(built(IntGaugeVec::new(
@@ -528,6 +548,7 @@ pub fn init() {
         &BACKFILLED,
         &REPEATS,
         &NOTICE_CATCH_UPS,
+        &SIZE_SNAPSHOTS,
     ] {
         LazyLock::force(c);
     }

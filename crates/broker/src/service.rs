@@ -49,10 +49,19 @@ pub struct RaftService {
     pub shutdown: CancellationToken,
 }
 
+/// The replica of partition `id` a peer's Raft call is for: not found where none is
+/// hosted, unavailable once stopped for good by a storage fault (its Raft would
+/// only answer that it stopped, and log each call).
 fn partition(partitions: &Partitions, id: u32) -> Result<&Arc<Partition>, Status> {
-    partitions
+    let p = partitions
         .get(&id)
-        .ok_or_else(|| Status::not_found(format!("partition {id} is not hosted on this broker")))
+        .ok_or_else(|| Status::not_found(format!("partition {id} is not hosted on this broker")))?;
+    if p.has_failed() {
+        return Err(Status::unavailable(format!(
+            "the replica of partition {id} on this broker is stopped: its storage failed"
+        )));
+    }
+    Ok(p)
 }
 
 /// A leader's append-entries (`vote` names the sender) reached replica `p`: the
@@ -176,6 +185,8 @@ pub struct BrokerService {
     pub partitions: Partitions,
     pub notices: Notices,
     pub registry: Arc<JobStreamRegistry>,
+    /// This broker's storage failure, if any: its replicas are stopped for good.
+    pub fault: Arc<crate::store::Fault>,
     pub shutdown: CancellationToken,
 }
 
@@ -231,7 +242,7 @@ fn request_kind(r: &Request) -> &'static str {
         Request::GetJob { .. } => "get_job",
         Request::Command(c) => match c.inner() {
             C::Create(_) => "create",
-            C::Activate { .. } => "activate",
+            C::Activate { .. } | C::ActivateWithin { .. } => "activate",
             C::Complete { .. } => "complete",
             C::Fail { .. } => "fail",
             C::ThrowError { .. } => "throw_error",
@@ -473,9 +484,16 @@ impl BrokerService {
             .map(|p| {
                 let m = p.raft.metrics();
                 let m = m.borrow();
+                // A replica stopped for good reads `shutdown` at once, whatever its
+                // Raft said last.
+                let state = if p.has_failed() {
+                    ServerState::Shutdown
+                } else {
+                    m.state
+                };
                 PartitionStatus {
                     partition_id: p.id.0,
-                    role: match m.state {
+                    role: match state {
                         ServerState::Leader => "leader",
                         ServerState::Follower => "follower",
                         ServerState::Candidate => "candidate",
@@ -483,10 +501,10 @@ impl BrokerService {
                         ServerState::Shutdown => "shutdown",
                     }
                     .to_string(),
-                    leader_id: m.current_leader.unwrap_or(0),
+                    leader_id: m.current_leader.filter(|_| !p.has_failed()).unwrap_or(0),
                     term: m.current_term,
                     last_applied: m.last_applied.map(|l| l.index).unwrap_or(0),
-                    majority_lost: m.state == ServerState::Leader && p.majority_lost(),
+                    majority_lost: state == ServerState::Leader && p.majority_lost(),
                 }
             })
             .collect();
@@ -505,6 +523,7 @@ impl BrokerService {
             replication_factor: self.config.replication_factor,
             partitions,
             version: env!("CARGO_PKG_VERSION").to_string(),
+            storage_failure: self.fault.get().map(|f| f.to_string()).unwrap_or_default(),
         }
     }
 

@@ -131,6 +131,10 @@ pub struct BrokerArgs {
     /// Log entries kept behind a snapshot for lagging followers.
     #[arg(long, default_value_t = RaftTuning::default().keep_after_snapshot)]
     keep_after_snapshot: u64,
+    /// Bytes of log entries written after which a partition takes a snapshot
+    /// whatever their number, so a log of large jobs is compacted in time.
+    #[arg(long, default_value_t = RaftTuning::default().snapshot_every_bytes)]
+    snapshot_every_bytes: u64,
     /// The shortest election timeout [default: 300ms]. A follower that hears
     /// nothing of its leader for the leader's lease (the longest timeout) and a
     /// timeout drawn between the shortest and the longest stands for election.
@@ -526,6 +530,7 @@ fn raft_tuning(a: &BrokerArgs) -> anyhow::Result<RaftTuning> {
     let tuning = RaftTuning {
         snapshot_every: a.snapshot_every,
         keep_after_snapshot: a.keep_after_snapshot,
+        snapshot_every_bytes: a.snapshot_every_bytes.max(1),
         election_timeout_min_ms: ms(a.election_timeout_min, d.election_timeout_min_ms),
         election_timeout_max_ms: ms(a.election_timeout_max, d.election_timeout_max_ms),
         ..d

@@ -60,6 +60,9 @@ pub struct ClusterView {
     pub reports: BTreeMap<NodeId, Vec<PartitionReport>>,
     /// The version each broker last reported (kept while it does not answer).
     pub versions: BTreeMap<NodeId, String>,
+    /// The brokers whose storage failed, as they said in the last round, with what
+    /// failed: their replicas are stopped until they are restarted.
+    pub storage_failures: BTreeMap<NodeId, String>,
     /// The known leader of each partition.
     pub leaders: HashMap<PartitionId, Leader>,
     /// Since when each partition without a known leader has had none.
@@ -71,7 +74,12 @@ impl ClusterView {
     /// replied. Membership only grows (it is static); everything else is replaced.
     pub fn merge_round(&mut self, answers: &[BrokerTopology]) {
         self.reports.clear();
+        self.storage_failures.clear();
         for a in answers {
+            if !a.storage_failure.is_empty() {
+                self.storage_failures
+                    .insert(a.node_id, a.storage_failure.clone());
+            }
             for b in &a.brokers {
                 self.members.insert(b.node_id, b.addr.clone());
             }
@@ -525,6 +533,7 @@ mod tests {
             replication_factor: 3,
             partitions: parts,
             version: "0.1.0".into(),
+            storage_failure: String::new(),
         }
     }
 

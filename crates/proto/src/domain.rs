@@ -245,7 +245,9 @@ pub struct JobView {
 pub enum Command {
     /// Create jobs, all on this partition, in one log entry.
     Create(Vec<NewJob>),
-    /// Activate up to `max_jobs` activatable jobs (long polling).
+    /// Activate up to `max_jobs` activatable jobs (long polling), however many bytes
+    /// they hold: what a gateway of format 3 sent, read from logs of that format and
+    /// carried out as then. Gateways now send [`Command::ActivateWithin`].
     Activate {
         props: ActivationProps,
         max_jobs: u32,
@@ -292,7 +294,32 @@ pub enum Command {
         #[serde(deserialize_with = "once_inner")]
         command: Box<Command>,
     },
+    /// Activate up to `max_jobs` activatable jobs, oldest first, as long as their
+    /// sizes ([`activated_size_bound`]) add up to at most `max_bytes`: the answer
+    /// then fits in one message, and a backlog of large jobs goes out over several
+    /// polls instead of in one answer larger than any transport takes. A job always
+    /// fits in [`MAX_ACTIVATE_BYTES`] alone. Last of the variants: entries written
+    /// before it read the same.
+    ActivateWithin {
+        props: ActivationProps,
+        max_jobs: u32,
+        max_bytes: u64,
+    },
 }
+
+/// Most bytes of jobs one ActivateJobs answer carries, as [`activated_size_bound`]
+/// counts them: the 4 MiB that Zeebe's gateway allows and that gRPC clients accept
+/// by default (Java, Go, Node.js, tonic). The largest job ([`MAX_JOB_BYTES`] with a
+/// worker name of [`MAX_WORKER_BYTES`]) fits alone.
+pub const MAX_ACTIVATE_BYTES: usize = 4 * 1024 * 1024;
+
+/// What an activated job takes in an answer, at most: its text (see
+/// [`job_text_bytes`]), the worker's name, and room for the numbers and framing.
+pub fn activated_size_bound(text_bytes: usize, worker: &str) -> usize {
+    text_bytes + worker.len() + 256
+}
+
+const _: () = assert!(MAX_JOB_BYTES + MAX_WORKER_BYTES + 256 <= MAX_ACTIVATE_BYTES);
 
 thread_local! {
     /// Whether the decoder is inside a [`Command::Once`] on this thread.
@@ -319,6 +346,20 @@ impl Command {
         match self {
             Command::Once { command, .. } => command,
             other => other,
+        }
+    }
+
+    /// An activation's properties, most jobs and most bytes (unbounded for a
+    /// [`Command::Activate`]).
+    pub fn activation(&self) -> Option<(&ActivationProps, u32, u64)> {
+        match self {
+            Command::Activate { props, max_jobs } => Some((props, *max_jobs, u64::MAX)),
+            Command::ActivateWithin {
+                props,
+                max_jobs,
+                max_bytes,
+            } => Some((props, *max_jobs, *max_bytes)),
+            _ => None,
         }
     }
 

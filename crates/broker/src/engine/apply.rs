@@ -129,7 +129,9 @@ impl State {
             }
             LogCommand::Backfill { target } => {
                 let via = target.via(term);
-                let jobs = self.activate(ts, &target.props, target.max, Some(via), changes);
+                // Each pushed job goes in a message of its own: no bound in bytes.
+                let jobs =
+                    self.activate(ts, &target.props, target.max, u64::MAX, Some(via), changes);
                 for job in jobs {
                     let Some(lease) = self.lease_of(job.key) else {
                         continue;
@@ -166,6 +168,7 @@ impl State {
                     **command,
                     Command::Create(_)
                         | Command::Activate { .. }
+                        | Command::ActivateWithin { .. }
                         | Command::Fail { .. }
                         | Command::ThrowError { .. }
                 ) {
@@ -195,9 +198,14 @@ impl State {
                 changes.requests.insert(*request);
                 Ok(reply)
             }
-            Command::Activate { props, max_jobs } => Ok(Reply::Activated(
-                self.activate(ts, props, *max_jobs, polled_via, changes),
-            )),
+            Command::Activate { .. } | Command::ActivateWithin { .. } => {
+                let Some((props, max_jobs, max_bytes)) = cmd.activation() else {
+                    return Ok(Reply::Activated(Vec::new()));
+                };
+                Ok(Reply::Activated(self.activate(
+                    ts, props, max_jobs, max_bytes, polled_via, changes,
+                )))
+            }
             Command::Complete { key, .. } => {
                 self.expect_activated(*key, "complete")?;
                 self.end_activation(*key, effects);
@@ -342,7 +350,7 @@ impl State {
             ),
             Outcome::Done => Reply::Done,
             Outcome::Activated { jobs } => {
-                let Command::Activate { props, .. } = command else {
+                let Some((props, _, _)) = command.activation() else {
                     return Reply::Activated(Vec::new());
                 };
                 Reply::Activated(
@@ -389,11 +397,15 @@ impl State {
     }
 
     /// Activates up to `max` of the oldest activatable jobs matching `props`.
+    /// Activates up to `max` of the oldest activatable jobs for `props`, stopping
+    /// before the first whose size ([`activated_size_bound`]) would take the total
+    /// past `max_bytes`.
     pub(super) fn activate(
         &mut self,
         ts: i64,
         props: &ActivationProps,
         max: u32,
+        max_bytes: u64,
         via: Option<Via>,
         changes: &mut Changes,
     ) -> Vec<ActivatedJob> {
@@ -405,9 +417,25 @@ impl State {
         }
         picked.sort_unstable();
         picked.truncate(max as usize);
-        picked
+        let mut bytes = 0u64;
+        let fitting = picked.into_iter().take_while(|(_, key)| {
+            let Some(job) = self.jobs.get(key) else {
+                return true;
+            };
+            let text = job_text_bytes(
+                &job.job_type,
+                &job.tenant_id,
+                &job.variables,
+                &job.custom_headers,
+                &job.process,
+            );
+            bytes = bytes.saturating_add(activated_size_bound(text, &props.worker) as u64);
+            bytes <= max_bytes
+        });
+        let fitting: Vec<JobKey> = fitting.map(|(_, key)| key).collect();
+        fitting
             .into_iter()
-            .filter_map(|(_, key)| self.activate_one(ts, key, props, via.clone(), changes))
+            .filter_map(|key| self.activate_one(ts, key, props, via.clone(), changes))
             .collect()
     }
 
@@ -576,7 +604,10 @@ pub(super) fn about_job(cmd: &Command) -> Option<(JobKey, &'static str)> {
         Command::UpdateRetries { key, .. } => Some((*key, "update retries of")),
         Command::UpdateTimeout { key, .. } => Some((*key, "update the timeout of")),
         Command::Cancel { key } => Some((*key, "cancel")),
-        Command::Create(_) | Command::Activate { .. } | Command::Once { .. } => None,
+        Command::Create(_)
+        | Command::Activate { .. }
+        | Command::ActivateWithin { .. }
+        | Command::Once { .. } => None,
     }
 }
 

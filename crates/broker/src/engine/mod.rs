@@ -10,9 +10,9 @@
 //! it; `apply` the transitions.
 
 use courier_proto::domain::{
-    job_text_bytes, job_too_large, ActivatedJob, ActivationProps, BrokerError, Command, JobKey,
-    JobStateKind, JobView, Lease, LinkId, NewJob, PartitionId, ProcessContext, Reply, RequestId,
-    StreamId, MAX_JOB_BYTES, ONCE_WINDOW_MS,
+    activated_size_bound, job_text_bytes, job_too_large, ActivatedJob, ActivationProps,
+    BrokerError, Command, JobKey, JobStateKind, JobView, Lease, LinkId, NewJob, PartitionId,
+    ProcessContext, Reply, RequestId, StreamId, MAX_JOB_BYTES, ONCE_WINDOW_MS,
 };
 use courier_proto::sync::lock;
 use serde::{Deserialize, Serialize};

@@ -306,6 +306,71 @@ fn activate_takes_oldest_first_with_deadline_lease_and_filtered_variables() {
     );
 }
 
+/// An activation bounded in bytes takes the oldest jobs while their sizes fit, and
+/// leaves the rest activatable for the next; a format-3 `Activate` is unbounded.
+#[test]
+fn an_activation_takes_only_the_jobs_that_fit_its_bytes_and_leaves_the_rest() {
+    let mut s = State::new(P);
+    let big = |n: usize| NewJob {
+        variables: format!(r#"{{"x":"{}"}}"#, "v".repeat(n)),
+        ..new_job("big")
+    };
+    let (reply, _, _) = run(
+        &mut s,
+        T0,
+        Command::Create(vec![big(1000), big(1000), big(1000), big(10)]),
+    );
+    let Ok(Reply::Created(ks)) = reply else {
+        panic!("{reply:?}")
+    };
+    let size = |n: usize| {
+        activated_size_bound(
+            job_text_bytes(
+                "big",
+                DEFAULT_TENANT,
+                &format!(r#"{{"x":"{}"}}"#, "v".repeat(n)),
+                "{}",
+                &ProcessContext::default(),
+            ),
+            "w1",
+        ) as u64
+    };
+    let within = |max_bytes| Command::ActivateWithin {
+        props: props("big", 1000),
+        max_jobs: 10,
+        max_bytes,
+    };
+    // Room for two and a half: two, oldest first; the third would not fit.
+    let (reply, effects, changes) = run(&mut s, T0 + 1, within(2 * size(1000) + size(1000) / 2));
+    let Ok(Reply::Activated(jobs)) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(jobs.iter().map(|j| j.key).collect::<Vec<_>>(), ks[..2]);
+    assert!(effects.is_empty());
+    assert_eq!(changes, keys(&ks[..2]));
+    // Less room than the oldest takes: none, though a smaller one waits behind it.
+    let (reply, _, changes) = run(&mut s, T0 + 2, within(size(1000) - 1));
+    assert_eq!(reply, Ok(Reply::Activated(Vec::new())));
+    assert_eq!(changes, Changes::new());
+    assert!(matches!(status(&s, ks[2]), JobStatus::Activatable { .. }));
+    // Exactly the room of the rest: both.
+    let (reply, _, _) = run(&mut s, T0 + 3, within(size(1000) + size(10)));
+    let Ok(Reply::Activated(jobs)) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(jobs.iter().map(|j| j.key).collect::<Vec<_>>(), ks[2..]);
+
+    // As format 3 wrote it, an activation takes every job whatever its size.
+    let mut s = State::new(P);
+    let (created, _, _) = run(
+        &mut s,
+        T0,
+        Command::Create(vec![big(1000), big(1000), big(1000)]),
+    );
+    assert!(created.is_ok());
+    assert_eq!(activate(&mut s, T0 + 1, "big", 10).len(), 3);
+}
+
 #[test]
 fn activate_respects_tenants() {
     let mut s = State::new(P);

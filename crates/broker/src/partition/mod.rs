@@ -185,6 +185,9 @@ pub struct Partition {
     gate: Gate,
     /// Set once this broker was asked to stop: it takes no partition over then.
     stopping: AtomicBool,
+    /// Set once the broker's storage failed: the replica is stopped for good, and
+    /// leads no more whatever Raft's last word (see `failstop`).
+    failed: AtomicBool,
     /// When this replica last heard from a leader or granted a vote (see
     /// `drive_elections` in the crate root).
     /// In µs since `started`; an atomic, since every append-entries sets it.
@@ -226,6 +229,7 @@ impl Partition {
             lost_gateway_grace,
             gate: Gate::default(),
             stopping: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
             leader_heard_us: AtomicU64::new(0),
             started: std::time::Instant::now(),
             longer_log,
@@ -301,9 +305,10 @@ impl Partition {
         tenants: Option<Vec<String>>,
     ) -> Result<Reply, BrokerError> {
         // A poll's jobs are recorded with the gateway they go out through.
-        let via = matches!(cmd.inner(), Command::Activate { .. })
-            .then(|| gateway.as_deref().map(str::to_string))
-            .flatten();
+        let via = cmd
+            .inner()
+            .activation()
+            .and_then(|_| gateway.as_deref().map(str::to_string));
         let ends_from = match (cmd.inner(), gateway) {
             (
                 Command::Complete { key, .. }
@@ -313,9 +318,9 @@ impl Partition {
             ) => Some((*key, g)),
             _ => None,
         };
-        let _claim = match cmd.inner() {
-            Command::Activate { props, max_jobs } => {
-                match self.claim_activation(props, *max_jobs, cmd.once_request()) {
+        let _claim = match cmd.inner().activation() {
+            Some((props, max_jobs, _)) => {
+                match self.claim_activation(props, max_jobs, cmd.once_request()) {
                     Ok(claim) => claim,
                     Err(reason) => {
                         metrics::EMPTY_ACTIVATIONS
@@ -513,6 +518,9 @@ impl Partition {
 
     /// The term this replica leads in, if it leads now.
     fn leading_term(&self) -> Option<u64> {
+        if self.has_failed() {
+            return None;
+        }
         let m = self.raft.server_metrics();
         let m = m.borrow();
         (m.state == ServerState::Leader).then(|| m.vote.leader_id().term)
@@ -530,7 +538,26 @@ impl Partition {
         // change with every entry, and their lock with them.
         let m = self.raft.server_metrics();
         let m = m.borrow();
-        m.state == ServerState::Leader
+        m.state == ServerState::Leader && !self.has_failed()
+    }
+
+    /// Stops this replica for good after a storage fault: it stands for nothing
+    /// more, and a leadership it held ends now, so commands are refused as by a
+    /// follower instead of reaching its stopped Raft.
+    pub async fn stop_for_good(self: &Arc<Self>) {
+        self.failed.store(true, Ordering::Relaxed);
+        self.begin_stopping();
+        self.sync_leadership();
+        match tokio::time::timeout(Duration::from_secs(5), self.raft.shutdown()).await {
+            Ok(Ok(())) => tracing::info!(partition = self.id.0, "replica stopped"),
+            Ok(Err(e)) => tracing::warn!(partition = self.id.0, error = %e, "stopping the replica"),
+            Err(_) => tracing::warn!(partition = self.id.0, "the replica did not stop in 5 s"),
+        }
+    }
+
+    /// Whether this replica was stopped for good ([`Partition::stop_for_good`]).
+    pub fn has_failed(&self) -> bool {
+        self.failed.load(Ordering::Relaxed)
     }
 
     fn check_leader(self: &Arc<Self>) -> Result<(), BrokerError> {

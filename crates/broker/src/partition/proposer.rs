@@ -292,6 +292,17 @@ pub(super) async fn write(
                         leader: f.leader_id.filter(|l| *l != p.node_id),
                     }
                 }
+                // The replica stopped (its storage failed) with the entry perhaps
+                // appended and sent: another leader may commit it.
+                RaftError::Fatal(f)
+                    if p.has_failed() || matches!(f, openraft::error::Fatal::StorageError(_)) =>
+                {
+                    BrokerError::OutcomeUnknown(format!(
+                        "partition {} stopped on this broker while the command was in \
+                         flight ({f}): it may have been carried out",
+                        p.id
+                    ))
+                }
                 other => BrokerError::Unavailable(format!(
                     "partition {} could not replicate the command: {other}",
                     p.id

@@ -42,6 +42,8 @@ pub struct LogStore {
     vote: Option<Vote<NodeId>>,
     /// Which writes are flushed, for the state machine and the Raft network.
     durable: Arc<Durable>,
+    /// Bytes of entries written since the log was opened, for snapshots by size.
+    written_bytes: Arc<AtomicU64>,
 }
 
 impl LogStore {
@@ -60,6 +62,7 @@ impl LogStore {
             node,
             vote: None,
             durable: Durable::new(),
+            written_bytes: Arc::default(),
         };
         store.vote = store.stored_vote()?;
         if let Some(purged) = store.get_meta::<LogId<NodeId>>(LAST_PURGED)? {
@@ -95,6 +98,11 @@ impl LogStore {
     /// The flush state of this log.
     pub fn durable(&self) -> Arc<Durable> {
         self.durable.clone()
+    }
+
+    /// Bytes of entries written since the log was opened, counting up.
+    pub fn written_bytes(&self) -> Arc<AtomicU64> {
+        self.written_bytes.clone()
     }
 
     /// The id of the last stored entry.
@@ -180,6 +188,8 @@ impl LogStore {
         for entry in entries {
             let id = *entry.get_log_id();
             let bytes = codec::to_vec(&entry).map_err(write_err)?;
+            self.written_bytes
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
             batch.insert(&self.log, id.index.to_be_bytes(), bytes);
             w.own &= self.own(&id.leader_id);
             w.first.get_or_insert(id.index);
@@ -243,11 +253,16 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError<NodeId>> {
-        self.put_meta(VOTE, vote)?;
-        // A vote must never be forgotten, whatever the durability mode.
-        self.db.sync().map_err(write_err)?;
-        self.vote = Some(*vote);
-        Ok(())
+        let fault = self.db.fault().clone();
+        let r: Result<(), StorageError<NodeId>> = async {
+            self.put_meta(VOTE, vote)?;
+            // A vote must never be forgotten, whatever the durability mode.
+            self.db.sync().map_err(write_err)?;
+            self.vote = Some(*vote);
+            Ok(())
+        }
+        .await;
+        fault.note(r)
     }
 
     async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError<NodeId>> {
@@ -267,45 +282,55 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let Written {
-            signals,
-            first,
-            own,
-        } = self.write_entries(entries)?;
-        let Some(first) = first else {
-            callback.log_io_completed(Ok(()));
-            return Ok(());
-        };
-        let seq = self.durable.wrote(first);
-        // The leader's own entries count as stored once written, so Raft replicates
-        // them while this flush runs; what their commit makes visible waits for it
-        // (see [`Durable`]). A follower's entries count once flushed: its answer is
-        // what a leader counts on.
-        let callback = if own && self.db.durability() == Durability::Fsync {
-            callback.log_io_completed(Ok(()));
-            None
-        } else {
-            Some(callback)
-        };
-        let durable = self.durable.clone();
-        self.db.after_flush(move |result| {
-            durable.flushed(seq, &result);
-            if let Some(callback) = callback {
-                callback.log_io_completed(result);
-            }
-            // A failed flush fires them too: the proposer must not wait on an
-            // append Raft has given up on.
-            signals.iter().for_each(FlushSignal::fire);
-        });
-        Ok(())
+        let fault = self.db.fault().clone();
+        let r: Result<(), StorageError<NodeId>> = async {
+            let Written {
+                signals,
+                first,
+                own,
+            } = self.write_entries(entries)?;
+            let Some(first) = first else {
+                callback.log_io_completed(Ok(()));
+                return Ok(());
+            };
+            let seq = self.durable.wrote(first);
+            // The leader's own entries count as stored once written, so Raft replicates
+            // them while this flush runs; what their commit makes visible waits for it
+            // (see [`Durable`]). A follower's entries count once flushed: its answer is
+            // what a leader counts on.
+            let callback = if own && self.db.durability() == Durability::Fsync {
+                callback.log_io_completed(Ok(()));
+                None
+            } else {
+                Some(callback)
+            };
+            let durable = self.durable.clone();
+            self.db.after_flush(move |result| {
+                durable.flushed(seq, &result);
+                if let Some(callback) = callback {
+                    callback.log_io_completed(result);
+                }
+                // A failed flush fires them too: the proposer must not wait on an
+                // append Raft has given up on.
+                signals.iter().for_each(FlushSignal::fire);
+            });
+            Ok(())
+        }
+        .await;
+        fault.note(r)
     }
 
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
-        let mut batch = self.db.database().batch();
-        for k in self.keys_in(log_id.index..)? {
-            batch.remove(&self.log, k);
+        let fault = self.db.fault().clone();
+        let r: Result<(), StorageError<NodeId>> = async {
+            let mut batch = self.db.database().batch();
+            for k in self.keys_in(log_id.index..)? {
+                batch.remove(&self.log, k);
+            }
+            batch.commit().map_err(write_err)
         }
-        batch.commit().map_err(write_err)
+        .await;
+        fault.note(r)
     }
 
     /// Records the purge, then deletes the entries on a blocking thread: a snapshot
@@ -314,36 +339,44 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     /// Entries at or below the purged id are never read again; any the deletion
     /// leaves behind (the broker stopped) go when the log is next opened.
     async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
-        self.put_meta(LAST_PURGED, &log_id)?;
-        let from = self
-            .deleted_below
-            .fetch_max(log_id.index + 1, Ordering::AcqRel);
-        if from > log_id.index {
-            return Ok(());
-        }
-        let (db, log) = (self.db.clone(), self.log.clone());
-        tokio::task::spawn_blocking(move || {
-            let started = std::time::Instant::now();
-            let mut start = from;
-            while start <= log_id.index {
-                let end = log_id.index.min(start.saturating_add(PURGE_CHUNK - 1));
-                let mut batch = db.database().batch();
-                for index in start..=end {
-                    batch.remove(&log, index.to_be_bytes());
-                }
-                if let Err(e) = batch.commit() {
-                    tracing::warn!(error = %e, "deleting purged log entries failed; retried at the next start");
-                    return;
-                }
-                start = end + 1;
-                if start <= log_id.index {
-                    std::thread::sleep(PURGE_PAUSE);
-                }
+        let fault = self.db.fault().clone();
+        let r: Result<(), StorageError<NodeId>> = async {
+            self.put_meta(LAST_PURGED, &log_id)?;
+            let from = self
+                .deleted_below
+                .fetch_max(log_id.index + 1, Ordering::AcqRel);
+            if from > log_id.index {
+                return Ok(());
             }
-            crate::metrics::PURGE_SECONDS.observe(started.elapsed().as_secs_f64());
-            tracing::debug!(from, to = log_id.index, took = ?started.elapsed(), "log purged");
-        });
-        Ok(())
+            let (db, log) = (self.db.clone(), self.log.clone());
+            tokio::task::spawn_blocking(move || {
+                let started = std::time::Instant::now();
+                let mut start = from;
+                while start <= log_id.index {
+                    let end = log_id.index.min(start.saturating_add(PURGE_CHUNK - 1));
+                    let mut batch = db.database().batch();
+                    for index in start..=end {
+                        batch.remove(&log, index.to_be_bytes());
+                    }
+                    if let Err(e) = batch.commit() {
+                        // A write that fails is the broker's storage fault (see
+                        // `failstop`); what is left goes when the log is next opened.
+                        db.fault()
+                            .set(&format!("deleting purged log entries failed: {e}"));
+                        return;
+                    }
+                    start = end + 1;
+                    if start <= log_id.index {
+                        std::thread::sleep(PURGE_PAUSE);
+                    }
+                }
+                crate::metrics::PURGE_SECONDS.observe(started.elapsed().as_secs_f64());
+                tracing::debug!(from, to = log_id.index, took = ?started.elapsed(), "log purged");
+            });
+            Ok(())
+        }
+        .await;
+        fault.note(r)
     }
 }
 

@@ -7,10 +7,14 @@
 //! - [`log::LogStore`] is the openraft log (`RaftLogStorage`).
 //! - [`sm::StateMachine`] is the openraft state machine: the engine's state,
 //!   persisted atomically with last-applied, and its snapshots.
+//! - [`Fault`] is the broker's first storage failure: storage is fail-stop.
 
 pub mod durable;
+mod fault;
 pub mod log;
 pub mod sm;
+
+pub use fault::Fault;
 
 use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
 use openraft::{StorageError, StorageIOError};
@@ -51,13 +55,13 @@ impl std::str::FromStr for Durability {
 /// snapshots), kept in the directory's `FORMAT` file. 2: activations record the
 /// gateway and term of their push. 3: log entries may hold `Command::Once`, and
 /// a partition stores the requests it remembers (a keyspace, and a snapshot's
-/// tail).
-pub const DATA_FORMAT: u32 = 3;
+/// tail). 4: log entries may hold `Command::ActivateWithin`.
+pub const DATA_FORMAT: u32 = 4;
 
-/// The one earlier format this broker reads: 3 only adds to it, so such a directory
-/// is marked 3 and used as it is (after which the version that wrote it refuses it,
-/// as it could not read what is added).
-const UPGRADES_FROM: u32 = 2;
+/// The earlier formats this broker reads: each later one only adds to them, so such
+/// a directory is marked [`DATA_FORMAT`] and used as it is (after which the version
+/// that wrote it refuses it, as it could not read what is added).
+const UPGRADES_FROM: [u32; 2] = [2, 3];
 
 /// Why a data directory cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -110,12 +114,12 @@ pub fn check_format(dir: &Path) -> Result<(), DataDirError> {
     match std::fs::read_to_string(&marker) {
         Ok(text) => match text.trim().parse::<u32>() {
             Ok(v) if v == DATA_FORMAT => Ok(()),
-            Ok(UPGRADES_FROM) => {
+            Ok(v) if UPGRADES_FROM.contains(&v) => {
                 write_durably(dir, &marker, format!("{DATA_FORMAT}\n").as_bytes())
                     .map_err(|e| io("mark", e))?;
                 tracing::info!(
                     dir = %dir.display(),
-                    "data directory of format {UPGRADES_FROM} marked {DATA_FORMAT}"
+                    "data directory of format {v} marked {DATA_FORMAT}"
                 );
                 Ok(())
             }
@@ -208,6 +212,7 @@ pub struct Db {
     /// Appends waiting for a flush; the syncer's threads end when the last clone of
     /// this handle is dropped.
     syncer: Arc<SyncerHandle>,
+    fault: Arc<Fault>,
 }
 
 impl Db {
@@ -221,7 +226,11 @@ impl Db {
         // entries as stored before they are flushed, see [`durable`]): fjall's
         // recovery syncs the active journal when it opens one (3.1, `recover`), and
         // older journals were synced when it moved past them.
-        let queue = Arc::new(SyncQueue::default());
+        let fault = Arc::new(Fault::default());
+        let queue = Arc::new(SyncQueue {
+            fault: fault.clone(),
+            ..SyncQueue::default()
+        });
         let flushers = match durability {
             Durability::Fsync => FLUSHERS,
             Durability::Replicated => 1,
@@ -251,11 +260,18 @@ impl Db {
             db,
             durability,
             syncer: Arc::new(SyncerHandle(queue)),
+            fault,
         })
     }
 
     pub fn durability(&self) -> Durability {
         self.durability
+    }
+
+    /// This broker's storage failure, recorded by the syncer or by whoever saw a
+    /// write fail.
+    pub fn fault(&self) -> &Arc<Fault> {
+        &self.fault
     }
 
     pub(crate) fn keyspace(&self, name: &str) -> Result<Keyspace, fjall::Error> {
@@ -356,6 +372,8 @@ struct SyncQueue {
     /// Raft hears of its appends in the order it made them. Taken before the
     /// state's lock, never while holding it: an answer may queue the next append.
     answering: Mutex<()>,
+    /// Once a flush failed, every later one fails with the same error, unsynced.
+    fault: Arc<Fault>,
 }
 
 #[derive(Default)]
@@ -413,8 +431,12 @@ struct Flusher {
 impl Flusher {
     /// Flushes the journal to disk. Every append is written to the OS before its
     /// callback reaches the syncer (fjall's write batches flush their buffer), so
-    /// only the fdatasync is left.
+    /// only the fdatasync is left. After a failed flush none is tried again: its
+    /// error is every later flush's.
     fn sync(&mut self) -> Result<(), String> {
+        if let Some(failed) = self.queue.fault.get() {
+            return Err(failed.to_string());
+        }
         let started = std::time::Instant::now();
         let result = match &mut self.journal {
             Some(journal) => journal.sync().map_err(|e| e.to_string()),
@@ -424,10 +446,11 @@ impl Flusher {
                 .map_err(|e| e.to_string()),
         };
         crate::metrics::FSYNC_SECONDS.observe(started.elapsed().as_secs_f64());
-        if let Err(e) = &result {
-            tracing::error!(error = %e, "flushing the log failed");
-        }
-        result
+        result.map_err(|e| {
+            let what = format!("flushing the log to disk (fdatasync) failed: {e}");
+            self.queue.fault.set(&what);
+            what
+        })
     }
 
     /// Group commit across the partitions of a broker: one fdatasync covers every
@@ -487,7 +510,10 @@ impl Flusher {
                 return;
             }
             drop(st);
-            let _ = self.sync();
+            if self.sync().is_err() {
+                // Recorded as the broker's fault; nothing more is flushed.
+                return;
+            }
         }
     }
 }
@@ -524,13 +550,15 @@ mod tests {
             format!("{DATA_FORMAT}\n")
         );
         check_format(&data).expect("its own format");
-        // The format before, which this one only adds to, is taken and marked.
-        std::fs::write(data.join("FORMAT"), "2\n").unwrap();
-        check_format(&data).expect("format 2 is read");
-        assert_eq!(
-            std::fs::read_to_string(data.join("FORMAT")).unwrap(),
-            format!("{DATA_FORMAT}\n")
-        );
+        // The formats before, which this one only adds to, are taken and marked.
+        for earlier in ["2\n", "3\n"] {
+            std::fs::write(data.join("FORMAT"), earlier).unwrap();
+            check_format(&data).expect("an earlier format is read");
+            assert_eq!(
+                std::fs::read_to_string(data.join("FORMAT")).unwrap(),
+                format!("{DATA_FORMAT}\n")
+            );
+        }
         std::fs::write(data.join("FORMAT"), "1").unwrap();
         let e = check_format(&data).unwrap_err().to_string();
         assert!(
@@ -657,6 +685,45 @@ mod tests {
         drop(tx);
         let done: Vec<_> = rx.iter().collect();
         assert_eq!(done, (0..50).map(|i| (i, true)).collect::<Vec<_>>());
+    }
+
+    /// A flush that fails records the broker's fault; after it no flush is tried
+    /// again, and what waits then is answered with that first error.
+    #[test]
+    fn after_a_failed_flush_every_flush_fails_with_its_error() {
+        let (dir, db) = fsync_db();
+        // fdatasync of a socket fails (EINVAL): a real failing call in place of a
+        // disk's EIO.
+        let (socket, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut flusher = Flusher {
+            db: db.database().clone(),
+            journal: Some(ActiveJournal {
+                dir: dir.path().to_path_buf(),
+                id: u64::MAX - 1,
+                file: File::from(std::os::fd::OwnedFd::from(socket)),
+            }),
+            queue: db.syncer.0.clone(),
+        };
+        let first = flusher.sync().unwrap_err();
+        assert!(first.contains("fdatasync"), "{first}");
+        assert_eq!(db.fault().get().as_deref(), Some(first.as_str()));
+        flusher.journal = None;
+        assert_eq!(flusher.sync().unwrap_err(), first, "not tried again");
+
+        // The syncer's own threads answer every append with it.
+        let (tx, rx) = mpsc::channel();
+        for i in 0..3 {
+            let tx = tx.clone();
+            db.after_flush(move |result| tx.send((i, result.map_err(|e| e.to_string()))).unwrap());
+        }
+        for i in 0..3 {
+            assert_eq!(
+                rx.recv_timeout(Duration::from_secs(10)).unwrap(),
+                (i, Err(first.clone()))
+            );
+        }
+        assert!(!db.fault().set("a later failure"), "the first fault stays");
+        assert_eq!(db.fault().get().as_deref(), Some(first.as_str()));
     }
 
     fn max_journal_id(dir: &Path) -> u64 {

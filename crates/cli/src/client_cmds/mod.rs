@@ -691,6 +691,24 @@ fn render_topology(t: &TopologyResponse) -> String {
         };
         let _ = writeln!(out, "{id:<9}  {leader}");
     }
+    let dead: Vec<String> = brokers
+        .iter()
+        .filter(|b| {
+            b.partitions
+                .iter()
+                .any(|p| p.health == PartitionBrokerHealth::Dead as i32)
+        })
+        .map(|b| b.node_id.to_string())
+        .collect();
+    if !dead.is_empty() {
+        let _ = writeln!(out);
+        let _ = writeln!(
+            out,
+            "dead: the storage of broker {} failed and its replicas stopped for good; its \
+             log says what failed. Fix the disk and restart it.",
+            dead.join(", ")
+        );
+    }
     out
 }
 

@@ -68,10 +68,15 @@ const HELD_CHECK_BUDGET: Duration = Duration::from_secs(2);
 /// The error message of a job given back that way.
 const GIVE_BACK_MESSAGE: &str =
     "activated for an ActivateJobs call whose client went away before the answer; given back";
-/// Most bytes of jobs one ActivateJobs answer carries: the 4 MiB that Zeebe's gateway
-/// allows and that gRPC clients accept by default (Java, Go, Node.js, tonic). Jobs
-/// past it are given back, and the next poll gets them.
-pub const MAX_ACTIVATE_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+/// Most bytes of jobs one ActivateJobs answer carries (see
+/// [`courier_proto::domain::MAX_ACTIVATE_BYTES`]): each partition is asked to
+/// activate only what still fits, so a backlog of large jobs goes out over several
+/// polls. Should jobs past it come back all the same, they are given back, and the
+/// next poll gets them.
+pub const MAX_ACTIVATE_RESPONSE_BYTES: usize = courier_proto::domain::MAX_ACTIVATE_BYTES;
+/// An answer with less room left than this asks no further partition: the next poll
+/// takes their jobs.
+const MIN_ACTIVATE_ROOM: usize = 64 * 1024;
 /// The error message of a job given back because its poll's answer was full.
 const ANSWER_FULL_MESSAGE: &str =
     "activated beyond the 4 MiB an ActivateJobs answer may carry; given back";
@@ -442,7 +447,8 @@ impl Shared {
 
     /// One pass over the partitions, from `first` or else a rotating start, until
     /// `max` jobs, until `first` gave some, or until the answer is full
-    /// ([`MAX_ACTIVATE_RESPONSE_BYTES`]; the jobs past it are given back).
+    /// ([`MAX_ACTIVATE_RESPONSE_BYTES`]): each partition activates only what fits in
+    /// the room left.
     async fn visit(
         self: &Arc<Self>,
         props: &ActivationProps,
@@ -456,15 +462,21 @@ impl Shared {
         let count = self.topology.partitions_count();
         for partition in self.activate_start.order_from(first, count) {
             let remaining = max.saturating_sub(u32::try_from(jobs.len()).unwrap_or(u32::MAX));
-            if remaining == 0 || !over.is_empty() || Instant::now() >= deadline {
+            let room = MAX_ACTIVATE_RESPONSE_BYTES.saturating_sub(bytes);
+            if remaining == 0
+                || !over.is_empty()
+                || room < MIN_ACTIVATE_ROOM
+                || Instant::now() >= deadline
+            {
                 break;
             }
             // Once only: sent again after a failover lost the answer of an attempt
             // that was applied, it gets that attempt's jobs, which would otherwise
             // sit out their activation timeout.
-            let request = Request::Command(self.once(Command::Activate {
+            let request = Request::Command(self.once(Command::ActivateWithin {
                 props: props.clone(),
                 max_jobs: remaining,
+                max_bytes: room as u64,
             }));
             // An Activate on its way is waited for past the client's deadline: if it
             // activates jobs after the client gave up, they are given back (see

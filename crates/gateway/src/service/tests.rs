@@ -280,4 +280,19 @@ fn zeebe_topology_lists_every_member_with_roles_and_health() {
         .map(|b| b.partitions[0].role)
         .collect();
     assert_eq!(roles, [R::Follower as i32, R::Leader as i32]);
+    // Broker 2's storage failed: its replicas are stopped, and dead.
+    view.storage_failures
+        .insert(2, "flushing the log to disk (fdatasync) failed: EIO".into());
+    view.reports
+        .insert(2, vec![report(1, "shutdown"), report(2, "shutdown")]);
+    view.leaders
+        .insert(PartitionId(1), Leader { node: 1, term: 5 });
+    let t = zeebe_topology(&view);
+    let b2: Vec<(i32, i32)> = t.brokers[1]
+        .partitions
+        .iter()
+        .map(|p| (p.role, p.health))
+        .collect();
+    assert_eq!(b2, [(R::Inactive as i32, H::Dead as i32); 2]);
+    assert_eq!(t.brokers[0].partitions[0].health, H::Healthy as i32);
 }

@@ -314,7 +314,10 @@ pub fn zeebe_topology(view: &ClusterView) -> gw::TopologyResponse {
                         ("leader", None) => Role::Leader,
                         _ => Role::Inactive,
                     };
-                    let health = if view.healthy(p.partition) {
+                    // A broker whose storage failed stopped its replicas for good.
+                    let health = if view.storage_failures.contains_key(&node) {
+                        Health::Dead
+                    } else if view.healthy(p.partition) {
                         Health::Healthy
                     } else {
                         Health::Unhealthy

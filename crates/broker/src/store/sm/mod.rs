@@ -325,7 +325,9 @@ fn split_snapshot_file(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
     Some((meta, bytes.get(4 + len..)?))
 }
 
-/// Writes the snapshot file atomically (temp file, fsync, rename).
+/// Writes the snapshot file atomically and durably: a temporary file, fsynced,
+/// renamed over it, and the directory fsynced so the rename itself survives a
+/// crash (the log below the snapshot is purged on the strength of it).
 fn save_snapshot(path: &PathBuf, s: &StoredSnapshot) -> Result<(), StorageError<NodeId>> {
     use std::io::Write;
     let meta = codec::to_vec(&s.meta).map_err(write_err)?;
@@ -336,7 +338,11 @@ fn save_snapshot(path: &PathBuf, s: &StoredSnapshot) -> Result<(), StorageError<
         .and_then(|_| f.write_all(&s.data))
         .and_then(|_| f.sync_data())
         .map_err(write_err)?;
-    std::fs::rename(&tmp, path).map_err(write_err)
+    std::fs::rename(&tmp, path).map_err(write_err)?;
+    let dir = path.parent().unwrap_or(std::path::Path::new("."));
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(write_err)
 }
 
 impl RaftStateMachine<TypeConfig> for StateMachine {
@@ -355,35 +361,40 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let entries: Vec<Entry<TypeConfig>> = entries.into_iter().collect();
-        if let (Some(durable), Some(last)) = (&self.durable, entries.last()) {
-            durable.wait_for(last.log_id.index).await?;
-        }
-        let mut replies = Vec::new();
-        let mut changes = Changes::new();
-        let next;
-        {
-            let mut a = self.shared.write();
-            for entry in entries {
-                a.last_applied = Some(entry.log_id);
-                let reply = match entry.payload {
-                    EntryPayload::Blank => Applied::default(),
-                    EntryPayload::Normal(batch) => {
-                        a.state
-                            .apply_batch(entry.log_id.leader_id.term, &batch, &mut changes)
-                    }
-                    EntryPayload::Membership(m) => {
-                        a.membership = StoredMembership::new(Some(entry.log_id), m);
-                        Applied::default()
-                    }
-                };
-                replies.push(reply);
+        let fault = self.db.fault().clone();
+        let r: Result<Vec<Applied>, StorageError<NodeId>> = async {
+            let entries: Vec<Entry<TypeConfig>> = entries.into_iter().collect();
+            if let (Some(durable), Some(last)) = (&self.durable, entries.last()) {
+                durable.wait_for(last.log_id.index).await?;
             }
-            self.persist(&a, &changes)?;
-            next = a.state.next_timer();
+            let mut replies = Vec::new();
+            let mut changes = Changes::new();
+            let next;
+            {
+                let mut a = self.shared.write();
+                for entry in entries {
+                    a.last_applied = Some(entry.log_id);
+                    let reply = match entry.payload {
+                        EntryPayload::Blank => Applied::default(),
+                        EntryPayload::Normal(batch) => {
+                            a.state
+                                .apply_batch(entry.log_id.leader_id.term, &batch, &mut changes)
+                        }
+                        EntryPayload::Membership(m) => {
+                            a.membership = StoredMembership::new(Some(entry.log_id), m);
+                            Applied::default()
+                        }
+                    };
+                    replies.push(reply);
+                }
+                self.persist(&a, &changes)?;
+                next = a.state.next_timer();
+            }
+            self.shared.applied(next);
+            Ok(replies)
         }
-        self.shared.applied(next);
-        Ok(replies)
+        .await;
+        fault.note(r)
     }
 
     /// Takes a point-in-time view of the stored state for a snapshot: openraft
@@ -397,6 +408,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             requests: self.requests.clone(),
             snapshot: self.snapshot.clone(),
             path: self.snapshot_path.clone(),
+            fault: self.db.fault().clone(),
         }
     }
 
@@ -411,36 +423,41 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         meta: &SnapshotMeta<NodeId, BasicNode>,
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError<NodeId>> {
-        let bytes = snapshot.into_inner();
-        let data = SnapshotData::decode(&bytes).map_err(read_err)?;
-        let stored = StoredSnapshot {
-            meta: meta.clone(),
-            data: Arc::new(bytes),
-        };
-        save_snapshot(&self.snapshot_path, &stored)?;
-        {
-            let mut a = self.shared.write();
-            let partition = a.state.partition();
-            // Replace every stored job and the meta in one atomic batch.
-            let mut batch = self.db.database().batch();
-            let jobs = data
-                .jobs
-                .iter()
-                .map(|j| ((j.key.0 as u64).to_be_bytes(), j));
-            replace_all(&mut batch, &self.jobs, jobs)?;
-            let onces = data.onces.iter().map(|(id, r)| (id.0.to_be_bytes(), r));
-            replace_all(&mut batch, &self.requests, onces)?;
-            a.state = State::from_parts(partition, data.counters, data.jobs, data.onces);
-            a.last_applied = meta.last_log_id;
-            a.membership = meta.last_membership.clone();
-            self.put_meta(&mut batch, &a)?;
-            batch.commit().map_err(write_err)?;
+        let fault = self.db.fault().clone();
+        let r: Result<(), StorageError<NodeId>> = async {
+            let bytes = snapshot.into_inner();
+            let data = SnapshotData::decode(&bytes).map_err(read_err)?;
+            let stored = StoredSnapshot {
+                meta: meta.clone(),
+                data: Arc::new(bytes),
+            };
+            save_snapshot(&self.snapshot_path, &stored)?;
+            {
+                let mut a = self.shared.write();
+                let partition = a.state.partition();
+                // Replace every stored job and the meta in one atomic batch.
+                let mut batch = self.db.database().batch();
+                let jobs = data
+                    .jobs
+                    .iter()
+                    .map(|j| ((j.key.0 as u64).to_be_bytes(), j));
+                replace_all(&mut batch, &self.jobs, jobs)?;
+                let onces = data.onces.iter().map(|(id, r)| (id.0.to_be_bytes(), r));
+                replace_all(&mut batch, &self.requests, onces)?;
+                a.state = State::from_parts(partition, data.counters, data.jobs, data.onces);
+                a.last_applied = meta.last_log_id;
+                a.membership = meta.last_membership.clone();
+                self.put_meta(&mut batch, &a)?;
+                batch.commit().map_err(write_err)?;
+            }
+            *self.snapshot.lock().unwrap_or_else(|p| p.into_inner()) = Some(stored);
+            // The installed state may hold anything: the timers read it again.
+            self.shared.timers_reading();
+            self.shared.applied.notify_waiters();
+            Ok(())
         }
-        *self.snapshot.lock().unwrap_or_else(|p| p.into_inner()) = Some(stored);
-        // The installed state may hold anything: the timers read it again.
-        self.shared.timers_reading();
-        self.shared.applied.notify_waiters();
-        Ok(())
+        .await;
+        fault.note(r)
     }
 
     async fn get_current_snapshot(
@@ -479,21 +496,26 @@ pub struct SnapshotBuilder {
     requests: Keyspace,
     snapshot: Arc<Mutex<Option<StoredSnapshot>>>,
     path: PathBuf,
+    fault: Arc<super::Fault>,
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     /// On a blocking thread: reading the view and writing out a large state takes a
     /// while, and on a runtime worker it would stall every task queued behind it.
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
-        let view = self
-            .view
-            .take()
-            .ok_or_else(|| write_err(std::io::Error::other("a snapshot builder is used once")))?;
-        let stored = [self.jobs.clone(), self.meta.clone(), self.requests.clone()];
-        let (current, path) = (self.snapshot.clone(), self.path.clone());
-        tokio::task::spawn_blocking(move || build(&view, &stored, &current, &path))
-            .await
-            .map_err(write_err)?
+        let fault = self.fault.clone();
+        let r: Result<Snapshot<TypeConfig>, StorageError<NodeId>> = async {
+            let view = self.view.take().ok_or_else(|| {
+                write_err(std::io::Error::other("a snapshot builder is used once"))
+            })?;
+            let stored = [self.jobs.clone(), self.meta.clone(), self.requests.clone()];
+            let (current, path) = (self.snapshot.clone(), self.path.clone());
+            tokio::task::spawn_blocking(move || build(&view, &stored, &current, &path))
+                .await
+                .map_err(write_err)?
+        }
+        .await;
+        fault.note(r)
     }
 }
 

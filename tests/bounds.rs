@@ -1,0 +1,93 @@
+//! Byte bounds on the job path: a backlog of large jobs, more than any one message
+//! between processes may carry, goes out over several answers.
+
+use crate::common;
+
+use common::{serial, Cluster, ClusterOpts};
+use courier_client::{ActivateJobs, NewJob};
+use courier_proto::domain::MAX_ACTIVATE_BYTES;
+use courier_proto::MAX_CLUSTER_MESSAGE_BYTES;
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_of_large_jobs_is_activated_over_several_answers() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::one_broker(1)).await;
+    let c = cluster.client();
+    // Jobs of nearly the largest size, more of them than one cluster message holds:
+    // activated in one go, their answer could cross no link.
+    let variables = format!(r#"{{"x":"{}"}}"#, "v".repeat(3_900_000));
+    let n = MAX_CLUSTER_MESSAGE_BYTES / 3_900_000 + 4;
+    let mut created = BTreeSet::new();
+    for _ in 0..n {
+        let r = c
+            .create_job(NewJob::new("large").variables(variables.as_str()))
+            .await
+            .expect("create");
+        created.insert(r.key);
+    }
+    let poll = ActivateJobs::new("large")
+        .worker("bounds-test")
+        .max_jobs(1000)
+        .timeout(Duration::from_secs(300))
+        .request_timeout(Duration::ZERO);
+    let mut activated = BTreeSet::new();
+    let mut answers = 0;
+    while activated.len() < n {
+        let jobs = c.activate_jobs(poll.clone()).await.expect("activate");
+        answers += 1;
+        assert!(!jobs.is_empty(), "an answer with room took no job");
+        let bytes: usize = jobs.iter().map(|j| j.variables.len()).sum();
+        assert!(bytes <= MAX_ACTIVATE_BYTES, "an answer of {bytes} bytes");
+        for j in jobs {
+            assert!(activated.insert(j.key), "job {} handed out twice", j.key);
+        }
+        assert!(answers <= n, "more answers than jobs");
+    }
+    assert_eq!(activated, created);
+    for k in &activated {
+        c.complete_job(*k, "").await.expect("complete");
+    }
+    common::assert_all_completed(&c, &activated.iter().copied().collect::<Vec<_>>()).await;
+}
+
+/// A log of large entries is compacted by its size, long before the number of
+/// entries that would snapshot it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_of_large_jobs_is_snapshotted_by_its_size() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts {
+        snapshot_every: 1_000_000,
+        snapshot_every_bytes: Some(8 * 1024 * 1024),
+        ..ClusterOpts::one_broker(1)
+    })
+    .await;
+    let c = cluster.client();
+    let snapshot = cluster.data_dir(1).join("snapshots").join("p1.snapshot");
+    let variables = format!(r#"{{"x":"{}"}}"#, "v".repeat(1_000_000));
+    for _ in 0..4 {
+        c.create_job(NewJob::new("sized").variables(variables.as_str()))
+            .await
+            .expect("create");
+    }
+    assert!(
+        !snapshot.exists(),
+        "a snapshot before the log reached 8 MiB"
+    );
+    for _ in 0..8 {
+        c.create_job(NewJob::new("sized").variables(variables.as_str()))
+            .await
+            .expect("create");
+    }
+    common::wait_until(Duration::from_secs(10), "a snapshot by size", || async {
+        snapshot.exists()
+    })
+    .await;
+    let taken = common::metric(
+        &cluster.broker_metrics[&1],
+        "courier_broker_size_snapshots_total",
+    )
+    .await;
+    assert!(taken >= 1.0, "{taken}");
+}
