@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: unit tests, openraft's storage suite, cluster tests on real
-# processes, and the compatibility tests with real Zeebe clients (installed here
-# from the npm registry and PyPI; nothing needs installing by hand).
+# processes, the compatibility tests with real Zeebe clients (installed here from
+# the npm registry and PyPI; nothing needs installing by hand), and a short run of
+# the chaos suite (as root; it installs nftables from Debian when missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
@@ -15,3 +16,7 @@ tests/compat/.venv/bin/python -m pip install --quiet --disable-pip-version-check
   -r tests/compat/requirements.txt
 
 cargo test --workspace
+
+# The chaos suite's short run: faults in network namespaces under a workload, then
+# a history check. The seed it prints reproduces its fault schedule.
+PROFILE=dev bash benchmarks/chaos.sh --duration 60
