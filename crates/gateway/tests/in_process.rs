@@ -124,6 +124,30 @@ impl Cluster {
         }
     }
 
+    /// Waits until the gateway knows a leader of each of `partitions` (it routes
+    /// creates only to partitions whose leader it knows).
+    async fn gateway_knows_leaders(&self, partitions: &[i32]) {
+        let mut gateway = GatewayClient::new(self.gateway.clone());
+        let until = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(t) = gateway.topology(gw::TopologyRequest {}).await {
+                let led: BTreeSet<i32> = t
+                    .into_inner()
+                    .brokers
+                    .iter()
+                    .flat_map(|b| &b.partitions)
+                    .filter(|p| p.role == gw::partition::PartitionBrokerRole::Leader as i32)
+                    .map(|p| p.partition_id)
+                    .collect();
+                if partitions.iter().all(|p| led.contains(p)) {
+                    return;
+                }
+            }
+            assert!(Instant::now() < until, "the gateway never saw every leader");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Creates `n` jobs of `job_type`, retrying while the cluster is still forming
     /// or electing; their keys.
     async fn create(&self, job_type: &str, n: usize) -> Vec<i64> {
@@ -224,6 +248,7 @@ async fn jobs_are_pushed_polled_and_completed_through_in_process_brokers() {
     for p in [1, 2] {
         cluster.leader_of(p).await;
     }
+    cluster.gateway_knows_leaders(&[1, 2]).await;
 
     // Pushed: every job created once the stream is open reaches it once, from
     // both partitions, and completes.
