@@ -396,7 +396,6 @@ impl State {
         }
     }
 
-    /// Activates up to `max` of the oldest activatable jobs matching `props`.
     /// Activates up to `max` of the oldest activatable jobs for `props`, stopping
     /// before the first whose size ([`activated_size_bound`]) would take the total
     /// past `max_bytes`.
