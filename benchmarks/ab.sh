@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The job path (create, push, poll) of this checkout against an earlier commit, in
 # alternating rounds on fresh 3-broker clusters (RF 3, fsync), so a slow spell of this
-# shared machine falls
-# on both arms alike. The same load generator (this checkout's) drives both arms.
+# shared machine falls on both arms alike. The same load generator (this checkout's)
+# drives both arms.
 #   bash benchmarks/ab.sh REV            e.g. bash benchmarks/ab.sh c512317
 #   ROUNDS=4 bash benchmarks/ab.sh REV   (about 80 s a round)
 set -euo pipefail
