@@ -91,3 +91,74 @@ async fn a_log_of_large_jobs_is_snapshotted_by_its_size() {
     .await;
     assert!(taken >= 1.0, "{taken}");
 }
+
+/// A partition's jobs may weigh at most `--max-partition-bytes` in memory: past it
+/// creates are refused at once with RESOURCE_EXHAUSTED, saying why, and taken again
+/// once jobs have ended. The weight is rebuilt from the stored jobs at a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_past_a_partitions_memory_bound_are_refused_until_jobs_end() {
+    let _g = serial().await;
+    let bound = 1024 * 1024;
+    let mut cluster = Cluster::start(ClusterOpts {
+        max_partition_bytes: Some(bound),
+        ..ClusterOpts::one_broker(1)
+    })
+    .await;
+    // No retries: the refusal itself is what is looked at.
+    let c = cluster.client().with_retry_budget(Duration::ZERO);
+    let variables = format!(r#"{{"x":"{}"}}"#, "v".repeat(100_000));
+    let create = || NewJob::new("heavy").variables(variables.as_str());
+    let refused = |e: courier_client::ClientError| {
+        assert_eq!(e.code(), Some(tonic::Code::ResourceExhausted), "{e}");
+        assert!(e.to_string().contains("--max-partition-bytes"), "{e}");
+    };
+    // Ten jobs of 100 KB fit in 1 MiB; the eleventh does not.
+    for _ in 0..10 {
+        c.create_job(create())
+            .await
+            .expect("create within the bound");
+    }
+    refused(c.create_job(create()).await.expect_err("past the bound"));
+    let weight = common::metric(
+        &cluster.broker_metrics[&1],
+        "courier_broker_partition_job_bytes",
+    )
+    .await;
+    assert!(
+        weight > 1_000_000.0 && weight <= bound as f64,
+        "weight {weight}"
+    );
+    // Jobs that end make room.
+    let poll = ActivateJobs::new("heavy")
+        .max_jobs(3)
+        .request_timeout(Duration::ZERO);
+    let jobs = c.activate_jobs(poll).await.expect("activate");
+    assert_eq!(jobs.len(), 3);
+    for j in &jobs {
+        c.complete_job(j.key, "").await.expect("complete");
+    }
+    for _ in 0..3 {
+        c.create_job(create())
+            .await
+            .expect("create after jobs ended");
+    }
+    refused(c.create_job(create()).await.expect_err("full again"));
+    // A restart weighs the stored jobs again.
+    cluster.kill_broker(1);
+    cluster.start_broker(1);
+    cluster.wait_for_leaders(Duration::from_secs(30)).await;
+    // Until the gateway has found the broker again a create is UNAVAILABLE; none
+    // may be taken.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let e = c
+            .create_job(create())
+            .await
+            .expect_err("full after a restart");
+        if e.code() != Some(tonic::Code::Unavailable) || std::time::Instant::now() > deadline {
+            refused(e);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

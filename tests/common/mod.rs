@@ -83,6 +83,8 @@ pub struct ClusterOpts {
     pub tmpfs: Option<(u64, &'static str)>,
     /// `--snapshot-every-bytes` of every broker (None: its default).
     pub snapshot_every_bytes: Option<u64>,
+    /// `--max-partition-bytes` of every broker (None: its default).
+    pub max_partition_bytes: Option<u64>,
 }
 
 impl Default for ClusterOpts {
@@ -102,6 +104,7 @@ impl Default for ClusterOpts {
             secure: None,
             tmpfs: None,
             snapshot_every_bytes: None,
+            max_partition_bytes: None,
         }
     }
 }
@@ -318,6 +321,9 @@ impl Cluster {
         }
         if let Some(bytes) = self.opts.snapshot_every_bytes {
             args.extend(["--snapshot-every-bytes".to_string(), bytes.to_string()]);
+        }
+        if let Some(bytes) = self.opts.max_partition_bytes {
+            args.extend(["--max-partition-bytes".to_string(), bytes.to_string()]);
         }
         if let Some(after) = self.opts.rebalance_after {
             args.extend(["--rebalance-after".to_string(), after.to_string()]);

@@ -185,6 +185,7 @@ pub async fn run_with(
             notices.clone(),
             registry.clone(),
             config.lost_gateway_grace,
+            config.max_partition_bytes,
             longer_log,
             &tasks,
             shutdown.clone(),

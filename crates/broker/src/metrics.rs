@@ -483,7 +483,9 @@ pub mod label {
     pub mod rejected {
         pub const QUEUE_FULL: &str = "queue_full";
         pub const NOT_COMMITTED: &str = "not_committed";
-        pub const ALL: [&str; 2] = [QUEUE_FULL, NOT_COMMITTED];
+        /// A create past the partition's `--max-partition-bytes`.
+        pub const PARTITION_FULL: &str = "partition_full";
+        pub const ALL: [&str; 3] = [QUEUE_FULL, NOT_COMMITTED, PARTITION_FULL];
     }
     /// The `outcome` of `courier_broker_finished_notices_total`.
     pub mod finished_notice {
@@ -584,6 +586,8 @@ pub struct Positions {
     log: IntGaugeVec,
     applied: IntGaugeVec,
     jobs: IntGaugeVec,
+    job_bytes: IntGaugeVec,
+    job_bytes_bound: IntGaugeVec,
     remembered: IntGaugeVec,
     /// The replicas, with their labels; one that is gone is dropped at the next scrape.
     replicas: Arc<Mutex<Vec<Tracked>>>,
@@ -605,6 +609,8 @@ impl Collector for Positions {
         let mut d = self.log.desc();
         d.extend(self.applied.desc());
         d.extend(self.jobs.desc());
+        d.extend(self.job_bytes.desc());
+        d.extend(self.job_bytes_bound.desc());
         d.extend(self.remembered.desc());
         d
     }
@@ -614,14 +620,19 @@ impl Collector for Positions {
         replicas.retain(|(replica, labels)| {
             let labels = [labels[0].as_str(), labels[1].as_str()];
             let Some(p) = replica.upgrade() else {
-                for g in [&self.log, &self.applied, &self.jobs, &self.remembered] {
+                for g in self.gauges() {
                     let _ = g.remove_label_values(&labels);
                 }
                 return false;
             };
-            let (jobs, remembered) = p.held();
+            let (jobs, bytes, remembered) = p.held();
             let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+            let size = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
             self.jobs.with_label_values(&labels).set(count(jobs));
+            self.job_bytes.with_label_values(&labels).set(size(bytes));
+            self.job_bytes_bound
+                .with_label_values(&labels)
+                .set(size(p.max_bytes()));
             self.remembered
                 .with_label_values(&labels)
                 .set(count(remembered));
@@ -636,11 +647,20 @@ impl Collector for Positions {
                 .set(index(m.last_applied.map_or(0, |l| l.index)));
             true
         });
-        let mut out = self.log.collect();
-        out.extend(self.applied.collect());
-        out.extend(self.jobs.collect());
-        out.extend(self.remembered.collect());
-        out
+        self.gauges().iter().flat_map(|g| g.collect()).collect()
+    }
+}
+
+impl Positions {
+    fn gauges(&self) -> [&IntGaugeVec; 6] {
+        [
+            &self.log,
+            &self.applied,
+            &self.jobs,
+            &self.job_bytes,
+            &self.job_bytes_bound,
+            &self.remembered,
+        ]
     }
 }
 
@@ -663,6 +683,14 @@ pub static POSITIONS: LazyLock<Positions> = LazyLock::new(|| {
         jobs: gauge(
             "courier_broker_partition_jobs",
             "Jobs this replica of the partition holds, in any state (completed and canceled ones are gone)",
+        ),
+        job_bytes: gauge(
+            "courier_broker_partition_job_bytes",
+            "What the jobs of this replica of the partition weigh in memory: their text and 256 bytes each",
+        ),
+        job_bytes_bound: gauge(
+            "courier_broker_partition_job_bytes_bound",
+            "The most the jobs of a partition may weigh (--max-partition-bytes): past it creates are refused with RESOURCE_EXHAUSTED",
         ),
         remembered: gauge(
             "courier_broker_partition_remembered_requests",

@@ -37,6 +37,8 @@ pub struct DevArgs {
     #[command(flatten)]
     lost_gateway: LostGateway,
     #[command(flatten)]
+    memory: Memory,
+    #[command(flatten)]
     client_tls: crate::security::ClientPortTlsArgs,
     #[command(flatten)]
     auth: crate::security::AuthArgs,
@@ -53,6 +55,16 @@ struct LostGateway {
     /// second time. "off": they wait for their activation timeouts, as in Zeebe.
     #[arg(long, default_value = "10s", value_parser = parse_grace)]
     lost_gateway_grace: Grace,
+}
+
+/// What a partition may hold in memory.
+#[derive(clap::Args)]
+struct Memory {
+    /// Most bytes the jobs of one partition replica may weigh in memory: their
+    /// variables, headers and other text, and 256 bytes each. Past it, creates on
+    /// that partition are refused with RESOURCE_EXHAUSTED until jobs end.
+    #[arg(long, default_value_t = courier_broker::config::DEFAULT_MAX_PARTITION_BYTES)]
+    max_partition_bytes: u64,
 }
 
 /// A duration, or none ("off").
@@ -146,6 +158,8 @@ pub struct BrokerArgs {
     election_timeout_max: Option<Duration>,
     #[command(flatten)]
     lost_gateway: LostGateway,
+    #[command(flatten)]
+    memory: Memory,
     #[command(flatten)]
     rebalance: Rebalance,
     #[command(flatten)]
@@ -425,6 +439,7 @@ pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
                 hand_off_leadership: false,
                 rebalance_after: Some(courier_broker::config::DEFAULT_REBALANCE_AFTER),
                 cluster_tls: Some(cluster_tls.clone()),
+                max_partition_bytes: a.memory.max_partition_bytes,
             };
             (config, listener)
         })
@@ -582,6 +597,7 @@ pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
         hand_off_leadership: true,
         rebalance_after: a.rebalance.rebalance_after.0,
         cluster_tls,
+        max_partition_bytes: a.memory.max_partition_bytes,
     };
     courier_broker::run(config, listener, shutdown)
         .await

@@ -223,6 +223,7 @@ impl State {
                 // The job runs again with the variables merged in: it must still fit
                 // in the message that hands it out.
                 let merged = self.merged_variables(*key, variables.as_deref(), "fail")?;
+                let before = self.weight(*key);
                 self.end_activation(*key, effects);
                 self.unindex(*key);
                 let job = self.job_mut(*key, "fail")?;
@@ -242,6 +243,7 @@ impl State {
                 } else {
                     self.runnable(ts, *key, budget, false, effects, changes);
                 }
+                self.reweigh(*key, before);
                 Ok(Reply::Done)
             }
             Command::ThrowError {
@@ -255,6 +257,7 @@ impl State {
                 // fit the same bound, so the job can still be read (GetJob).
                 let merged =
                     self.merged_variables(*key, variables.as_deref(), "throw an error for")?;
+                let before = self.weight(*key);
                 self.end_activation(*key, effects);
                 self.unindex(*key);
                 let job = self.job_mut(*key, "throw an error for")?;
@@ -265,6 +268,7 @@ impl State {
                 }
                 job.status = JobStatus::ErrorThrown;
                 changes.jobs.insert(*key);
+                self.reweigh(*key, before);
                 Ok(Reply::Done)
             }
             Command::UpdateRetries { key, retries } => {
@@ -333,6 +337,7 @@ impl State {
                 error_code: String::new(),
             },
         );
+        self.reweigh(key, 0);
         self.runnable(ts, key, budget, true, effects, changes);
         key
     }
@@ -421,13 +426,7 @@ impl State {
             let Some(job) = self.jobs.get(key) else {
                 return true;
             };
-            let text = job_text_bytes(
-                &job.job_type,
-                &job.tenant_id,
-                &job.variables,
-                &job.custom_headers,
-                &job.process,
-            );
+            let text = text_bytes(job);
             bytes = bytes.saturating_add(activated_size_bound(text, &props.worker) as u64);
             bytes <= max_bytes
         });

@@ -361,6 +361,30 @@ pub struct State {
     onces: BTreeMap<RequestId, OnceRecord>,
     /// (ts, id) of `onces`, oldest first: what to forget next.
     once_times: BTreeSet<(i64, RequestId)>,
+    /// What the jobs weigh in memory, by [`held_bytes`]: derived from `jobs`, so
+    /// equal on every replica.
+    held_bytes: u64,
+}
+
+/// What a job's record and its index entries cost beyond its text, roughly.
+pub const JOB_OVERHEAD_BYTES: u64 = 256;
+
+/// What job `job` weighs in a replica's memory: its text, its error, and a fixed
+/// share for the record and its indexes.
+pub fn held_bytes(job: &Job) -> u64 {
+    let text = text_bytes(job) + job.error_message.len() + job.error_code.len();
+    u64::try_from(text).unwrap_or(u64::MAX) + JOB_OVERHEAD_BYTES
+}
+
+/// The size of job `job`'s text as a create states it (see [`job_text_bytes`]).
+fn text_bytes(job: &Job) -> usize {
+    job_text_bytes(
+        &job.job_type,
+        &job.tenant_id,
+        &job.variables,
+        &job.custom_headers,
+        &job.process,
+    )
 }
 
 impl State {
@@ -386,8 +410,10 @@ impl State {
             backoffs: BTreeSet::new(),
             onces: BTreeMap::new(),
             once_times: BTreeSet::new(),
+            held_bytes: 0,
         };
         for job in jobs {
+            s.held_bytes += held_bytes(&job);
             s.index(&job);
             s.jobs.insert(job.key, job);
         }
@@ -416,6 +442,22 @@ impl State {
 
     pub fn job_count(&self) -> usize {
         self.jobs.len()
+    }
+
+    /// What the jobs weigh in memory, by [`held_bytes`].
+    pub fn held_bytes(&self) -> u64 {
+        self.held_bytes
+    }
+
+    /// What job `key` weighs now (0 when there is none).
+    fn weight(&self, key: JobKey) -> u64 {
+        self.jobs.get(&key).map_or(0, held_bytes)
+    }
+
+    /// Counts job `key` at its new weight, after a change from `before`.
+    fn reweigh(&mut self, key: JobKey, before: u64) {
+        let after = self.weight(key);
+        self.held_bytes = self.held_bytes.saturating_sub(before).saturating_add(after);
     }
 
     /// The record of the [`Command::Once`] with request id `id`, while it is
@@ -560,7 +602,9 @@ impl State {
 
     fn remove(&mut self, key: JobKey, changes: &mut Changes) {
         self.unindex(key);
+        let before = self.weight(key);
         self.jobs.remove(&key);
+        self.reweigh(key, before);
         changes.jobs.insert(key);
     }
 

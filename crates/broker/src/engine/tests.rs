@@ -542,6 +542,81 @@ fn fail(key: JobKey, retries: i32) -> Command {
     }
 }
 
+/// What the jobs weigh follows every change of their text: creates add, a fail or
+/// a thrown error with variables and a message reweighs, an end removes; a state
+/// rebuilt from the same jobs weighs the same.
+#[test]
+fn the_weight_of_the_jobs_follows_creates_fails_errors_and_ends() {
+    let mut s = State::new(P);
+    let weight = |j: &NewJob, error: &str| {
+        (job_text_bytes(
+            &j.job_type,
+            &j.tenant_id,
+            &j.variables,
+            &j.custom_headers,
+            &j.process,
+        ) + error.len()) as u64
+            + JOB_OVERHEAD_BYTES
+    };
+    let job = new_job("w");
+    let (a, b, c) = (
+        create(&mut s, "w"),
+        create(&mut s, "w"),
+        create(&mut s, "w"),
+    );
+    assert_eq!(s.held_bytes(), 3 * weight(&job, ""));
+    activate(&mut s, T0, "w", 3);
+    let merged = NewJob {
+        variables: r#"{"a":1,"b":2,"c":"more"}"#.into(),
+        ..new_job("w")
+    };
+    let (r, _, _) = run(
+        &mut s,
+        T0 + 1,
+        Command::Fail {
+            key: a,
+            retries: 2,
+            error_message: "boom".into(),
+            retry_backoff_ms: 0,
+            variables: Some(r#"{"c":"more"}"#.into()),
+        },
+    );
+    assert_eq!(r, Ok(Reply::Done));
+    assert_eq!(
+        s.held_bytes(),
+        weight(&merged, "boom") + 2 * weight(&job, "")
+    );
+    let (r, _, _) = run(
+        &mut s,
+        T0 + 2,
+        Command::ThrowError {
+            key: b,
+            error_code: "E1".into(),
+            error_message: "bad".into(),
+            variables: None,
+        },
+    );
+    assert_eq!(r, Ok(Reply::Done));
+    let after_error = weight(&merged, "boom") + weight(&job, "E1bad") + weight(&job, "");
+    assert_eq!(s.held_bytes(), after_error);
+    let rebuilt = State::from_parts(P, s.counters().clone(), s.jobs().cloned(), Vec::new());
+    assert_eq!(rebuilt.held_bytes(), after_error);
+    let (r, _, _) = run(
+        &mut s,
+        T0 + 3,
+        Command::Complete {
+            key: c,
+            variables: None,
+        },
+    );
+    assert_eq!(r, Ok(Reply::Done));
+    let (r, _, _) = run(&mut s, T0 + 4, Command::Cancel { key: a });
+    assert_eq!(r, Ok(Reply::Done));
+    let (r, _, _) = run(&mut s, T0 + 5, Command::Cancel { key: b });
+    assert_eq!(r, Ok(Reply::Done));
+    assert_eq!(s.held_bytes(), 0);
+}
+
 /// A fail sent again after its first attempt was applied, and the job pushed to
 /// another worker at once, is answered as done and leaves that activation alone.
 #[test]

@@ -181,6 +181,8 @@ pub struct Partition {
     leader: RwLock<Option<Arc<LeaderState>>>,
     /// See [`crate::config::BrokerConfig::lost_gateway_grace`].
     lost_gateway_grace: Option<Duration>,
+    /// See [`crate::config::BrokerConfig::max_partition_bytes`].
+    max_bytes: u64,
     /// Counts the entries the proposer has in flight; closed during a hand-off.
     gate: Gate,
     /// Set once this broker was asked to stop: it takes no partition over then.
@@ -212,6 +214,7 @@ impl Partition {
         notices: Notices,
         registry: Arc<JobStreamRegistry>,
         lost_gateway_grace: Option<Duration>,
+        max_bytes: u64,
         longer_log: Arc<crate::raft::LongerLog>,
         tasks: &TaskTracker,
         shutdown: CancellationToken,
@@ -227,6 +230,7 @@ impl Partition {
             notices,
             leader: RwLock::new(None),
             lost_gateway_grace,
+            max_bytes,
             gate: Gate::default(),
             stopping: AtomicBool::new(false),
             failed: AtomicBool::new(false),
@@ -463,7 +467,7 @@ impl Partition {
         cmd: LogCommand,
         ends_from: Option<(JobKey, Arc<str>)>,
     ) -> Result<Reply, BrokerError> {
-        if let Err(e) = self.check_leader() {
+        if let Err(e) = self.check_leader().and_then(|()| self.check_room(&cmd)) {
             self.refund_targets(&cmd);
             return Err(e);
         }
@@ -491,6 +495,39 @@ impl Partition {
                 }
             })?;
         rx.await.map_err(|_| self.stopping())?
+    }
+
+    /// Refuses a create whose jobs would take the partition's jobs past
+    /// [`Partition::max_bytes`]. A create sent again after it was applied is let
+    /// through, to be answered as the first time. Creates queued but not yet applied
+    /// are not counted: the bound can be passed by what is in flight, no more.
+    fn check_room(&self, cmd: &LogCommand) -> Result<(), BrokerError> {
+        let (LogCommand::Client { cmd, .. } | LogCommand::ClientIn { cmd, .. }) = cmd else {
+            return Ok(());
+        };
+        let Command::Create(jobs) = cmd.inner() else {
+            return Ok(());
+        };
+        let adding: u64 = jobs.iter().map(new_job_bytes).sum();
+        let applied = self.shared.read();
+        if let Command::Once { request, .. } = cmd {
+            if applied.state.once_record(*request).is_some() {
+                return Ok(());
+            }
+        }
+        let held = applied.state.held_bytes();
+        if held.saturating_add(adding) <= self.max_bytes {
+            return Ok(());
+        }
+        drop(applied);
+        metrics::REJECTED
+            .with_label_values(&[label::rejected::PARTITION_FULL])
+            .inc();
+        Err(BrokerError::ResourceExhausted(format!(
+            "partition {} holds {held} bytes of jobs, and {adding} more would pass its \
+             bound of {} (--max-partition-bytes); retry once jobs have ended",
+            self.id, self.max_bytes
+        )))
     }
 
     fn refund_targets(&self, cmd: &LogCommand) {
@@ -526,10 +563,20 @@ impl Partition {
         (m.state == ServerState::Leader).then(|| m.vote.leader_id().term)
     }
 
-    /// The jobs this replica holds, and the request ids it remembers.
-    pub fn held(&self) -> (usize, usize) {
+    /// The jobs this replica holds, what they weigh in memory, and the request
+    /// ids it remembers.
+    pub fn held(&self) -> (usize, u64, usize) {
         let applied = self.shared.read();
-        (applied.state.job_count(), applied.state.once_count())
+        (
+            applied.state.job_count(),
+            applied.state.held_bytes(),
+            applied.state.once_count(),
+        )
+    }
+
+    /// See [`crate::config::BrokerConfig::max_partition_bytes`].
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
     }
 
     /// Whether this replica leads its partition now.
@@ -585,4 +632,16 @@ impl Partition {
     fn stopping(&self) -> BrokerError {
         BrokerError::Unavailable(format!("partition {} is shutting down", self.id))
     }
+}
+
+/// What a job created from `new` will weigh (see [`crate::engine::held_bytes`]).
+fn new_job_bytes(new: &courier_proto::domain::NewJob) -> u64 {
+    let text = courier_proto::domain::job_text_bytes(
+        &new.job_type,
+        &new.tenant_id,
+        &new.variables,
+        &new.custom_headers,
+        &new.process,
+    );
+    u64::try_from(text).unwrap_or(u64::MAX) + crate::engine::JOB_OVERHEAD_BYTES
 }
