@@ -64,7 +64,7 @@ async fn a_log_of_large_jobs_is_snapshotted_by_its_size() {
     })
     .await;
     let c = cluster.client();
-    let snapshot = cluster.data_dir(1).join("snapshots").join("p1.snapshot");
+    let snapshot = cluster.data_dir(1).join("snapshots").join("p1.snap");
     let variables = format!(r#"{{"x":"{}"}}"#, "v".repeat(1_000_000));
     for _ in 0..4 {
         c.create_job(NewJob::new("sized").variables(variables.as_str()))

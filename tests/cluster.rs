@@ -347,20 +347,31 @@ async fn a_restarted_broker_catches_up_through_a_snapshot() {
     })
     .await;
     let after: BTreeSet<_> = std::fs::read_dir(&snapshots)
-        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .collect()
+        })
         .unwrap_or_default();
     // Broker 3 stopped after a handful of entries, too few to build a snapshot; the
     // leaders purged everything behind theirs, so only an installed snapshot explains
-    // one file per partition now.
+    // an index and one data file per partition now (the file received, nothing left
+    // of the transfer).
     assert!(
         before.is_empty(),
         "broker 3 had snapshots before it stopped: {before:?}"
     );
-    assert_eq!(
-        after.len(),
-        3,
-        "broker 3 installed a snapshot of every partition: {after:?}"
-    );
+    for p in 1..=3 {
+        let data: Vec<_> = after
+            .iter()
+            .filter(|n| n.starts_with(&format!("p{p}-")))
+            .collect();
+        assert!(
+            after.contains(&format!("p{p}.snap")) && data.len() == 1 && data[0].ends_with(".data"),
+            "broker 3 installed a snapshot of partition {p}: {after:?}"
+        );
+    }
+    assert_eq!(after.len(), 6, "{after:?}");
 
     // Broker 3's copy is real: with broker 1 gone it is needed for a majority.
     cluster.kill_broker(1);

@@ -38,7 +38,8 @@ openraft::declare_raft_types!(
         NodeId = NodeId,
         Node = BasicNode,
         Entry = openraft::Entry<TypeConfig>,
-        SnapshotData = std::io::Cursor<Vec<u8>>,
+        // A file: snapshots are streamed to and from disk, never held whole in memory.
+        SnapshotData = tokio::fs::File,
         AsyncRuntime = openraft::TokioRuntime,
 );
 

@@ -28,3 +28,14 @@ pub fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, CodecError> {
 pub fn decode_prefix<T: DeserializeOwned>(payload: &[u8]) -> Result<(T, &[u8]), CodecError> {
     Ok(postcard::take_from_bytes(payload)?)
 }
+
+/// Decodes one value from `reader`, reading no further than it: a large stored
+/// sequence (a snapshot) is read item by item instead of whole. `scratch` must hold
+/// the largest single value's encoding; a longer one is an error.
+pub fn decode_from<T: DeserializeOwned, R: std::io::Read>(
+    reader: &mut R,
+    scratch: &mut [u8],
+) -> Result<T, CodecError> {
+    let (value, _) = postcard::from_io((reader, scratch))?;
+    Ok(value)
+}

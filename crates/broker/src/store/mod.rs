@@ -55,13 +55,16 @@ impl std::str::FromStr for Durability {
 /// snapshots), kept in the directory's `FORMAT` file. 2: activations record the
 /// gateway and term of their push. 3: log entries may hold `Command::Once`, and
 /// a partition stores the requests it remembers (a keyspace, and a snapshot's
-/// tail). 4: log entries may hold `Command::ActivateWithin`.
-pub const DATA_FORMAT: u32 = 4;
+/// tail). 4: log entries may hold `Command::ActivateWithin`. 5: a partition's
+/// snapshot is a data file named by an index file (`pN.snap`), where it was one file
+/// (`pN.snapshot`), converted when the partition opens.
+pub const DATA_FORMAT: u32 = 5;
 
-/// The earlier formats this broker reads: each later one only adds to them, so such
-/// a directory is marked [`DATA_FORMAT`] and used as it is (after which the version
-/// that wrote it refuses it, as it could not read what is added).
-const UPGRADES_FROM: [u32; 2] = [2, 3];
+/// The earlier formats this broker reads: each later one adds to them, or changes
+/// what the broker converts as it opens a partition, so such a directory is marked
+/// [`DATA_FORMAT`] and used (after which the version that wrote it refuses it, as it
+/// could not read what is added).
+const UPGRADES_FROM: [u32; 3] = [2, 3, 4];
 
 /// Why a data directory cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -551,7 +554,7 @@ mod tests {
         );
         check_format(&data).expect("its own format");
         // The formats before, which this one only adds to, are taken and marked.
-        for earlier in ["2\n", "3\n"] {
+        for earlier in ["2\n", "3\n", "4\n"] {
             std::fs::write(data.join("FORMAT"), earlier).unwrap();
             check_format(&data).expect("an earlier format is read");
             assert_eq!(

@@ -1,6 +1,6 @@
 //! A partition's state machine: the engine's [`State`] in memory, persisted in fjall
 //! atomically with last-applied (one write batch per `apply` call), and its
-//! snapshots (the whole state, written to a file so it survives restarts).
+//! snapshots (the whole state, streamed to and from a file: see [`snapfile`]).
 
 use super::durable::Durable;
 use super::{read_err, write_err, Db};
@@ -14,13 +14,22 @@ use openraft::{
     BasicNode, Entry, EntryPayload, LogId, OptionalSend, RaftSnapshotBuilder, StorageError,
     StoredMembership,
 };
-use std::io::Cursor;
-use std::path::PathBuf;
+use std::io::{BufReader, BufWriter, Read, Seek, Write};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
 use tokio::sync::Notify;
 
 use courier_proto::domain::NodeId;
+
+mod snapfile;
+use snapfile::SnapshotFiles;
+
+/// Room to decode the largest single item of a snapshot: a job of the largest size
+/// with its error message and activation, or a remembered request.
+const SNAPSHOT_ITEM_BYTES: usize = 8 * 1024 * 1024;
+/// Write buffer of a snapshot file.
+const SNAPSHOT_WRITE_BUFFER: usize = 1024 * 1024;
 
 const APPLIED: &[u8] = b"sm.applied";
 const MEMBERSHIP: &[u8] = b"sm.membership";
@@ -94,16 +103,30 @@ struct SnapshotData {
 }
 
 impl SnapshotData {
-    fn decode(bytes: &[u8]) -> Result<SnapshotData, codec::CodecError> {
-        let ((counters, jobs), rest): ((Counters, Vec<Job>), _) = codec::decode_prefix(bytes)?;
-        let onces = if rest.is_empty() {
-            Vec::new()
-        } else {
-            codec::decode::<Vec<([u8; 16], OnceRecord)>>(rest)?
-                .into_iter()
-                .map(|(id, r)| (RequestId(u128::from_be_bytes(id)), r))
-                .collect()
-        };
+    #[cfg(test)]
+    fn decode(bytes: &[u8]) -> std::io::Result<SnapshotData> {
+        SnapshotData::read(&mut std::io::BufReader::new(bytes))
+    }
+
+    /// Reads a snapshot item by item: only the state it holds is kept, never its
+    /// encoding whole. A length prefix allocates no more than the items that follow.
+    fn read<R: std::io::BufRead>(r: &mut R) -> std::io::Result<SnapshotData> {
+        let mut scratch = vec![0u8; SNAPSHOT_ITEM_BYTES];
+        let counters: Counters = item(r, &mut scratch)?;
+        let count: u64 = item(r, &mut scratch)?;
+        let mut jobs = Vec::new();
+        for _ in 0..count {
+            jobs.push(item::<Job, _>(r, &mut scratch)?);
+        }
+        // A snapshot from before requests were remembered ends after the jobs.
+        let mut onces = Vec::new();
+        if !r.fill_buf()?.is_empty() {
+            let count: u64 = item(r, &mut scratch)?;
+            for _ in 0..count {
+                let (id, record): ([u8; 16], OnceRecord) = item(r, &mut scratch)?;
+                onces.push((RequestId(u128::from_be_bytes(id)), record));
+            }
+        }
         Ok(SnapshotData {
             counters,
             jobs,
@@ -112,11 +135,12 @@ impl SnapshotData {
     }
 }
 
-/// The latest snapshot, as built or installed.
-#[derive(Clone)]
-struct StoredSnapshot {
-    meta: SnapshotMeta<NodeId, BasicNode>,
-    data: Arc<Vec<u8>>,
+/// One encoded item of a snapshot.
+fn item<T: serde::de::DeserializeOwned, R: Read>(
+    r: &mut R,
+    scratch: &mut [u8],
+) -> std::io::Result<T> {
+    codec::decode_from(r, scratch).map_err(std::io::Error::other)
 }
 
 /// What a partition's meta keyspace holds beside its jobs, read from the keyspace
@@ -155,8 +179,9 @@ pub struct StateMachine {
     /// Records of applied [`courier_proto::domain::Command::Once`]s by request id.
     requests: Keyspace,
     shared: Arc<SharedState>,
-    snapshot: Arc<Mutex<Option<StoredSnapshot>>>,
-    snapshot_path: PathBuf,
+    snapshots: Arc<SnapshotFiles>,
+    /// The file of the snapshot being received, while one is.
+    receiving: Option<PathBuf>,
     /// The flush state of the partition's log: an entry is applied once on disk.
     durable: Option<Arc<Durable>>,
 }
@@ -209,9 +234,7 @@ impl StateMachine {
             took = ?started.elapsed(),
             "partition state loaded"
         );
-        std::fs::create_dir_all(&snapshot_dir).map_err(read_err)?;
-        let snapshot_path = snapshot_dir.join(format!("p{}.snapshot", partition.0));
-        let snapshot = load_snapshot(&snapshot_path)?;
+        let snapshots = SnapshotFiles::open(&snapshot_dir, partition.0)?;
         Ok(StateMachine {
             db: db.clone(),
             jobs,
@@ -222,8 +245,8 @@ impl StateMachine {
                 last_applied,
                 membership,
             })),
-            snapshot: Arc::new(Mutex::new(snapshot)),
-            snapshot_path,
+            snapshots: Arc::new(snapshots),
+            receiving: None,
             durable: None,
         })
     }
@@ -299,52 +322,6 @@ fn request_id(key: &[u8]) -> Result<RequestId, StorageError<NodeId>> {
     Ok(RequestId(u128::from_be_bytes(bytes)))
 }
 
-fn load_snapshot(path: &PathBuf) -> Result<Option<StoredSnapshot>, StorageError<NodeId>> {
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(read_err(e)),
-    };
-    let (meta, data) = split_snapshot_file(&bytes).ok_or_else(|| {
-        read_err(std::io::Error::other(format!(
-            "snapshot file {} is corrupt",
-            path.display()
-        )))
-    })?;
-    let meta = codec::decode(meta).map_err(read_err)?;
-    Ok(Some(StoredSnapshot {
-        meta,
-        data: Arc::new(data.to_vec()),
-    }))
-}
-
-/// File layout: 4-byte big-endian meta length, encoded meta, snapshot data.
-fn split_snapshot_file(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
-    let len = u32::from_be_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
-    let meta = bytes.get(4..4 + len)?;
-    Some((meta, bytes.get(4 + len..)?))
-}
-
-/// Writes the snapshot file atomically and durably: a temporary file, fsynced,
-/// renamed over it, and the directory fsynced so the rename itself survives a
-/// crash (the log below the snapshot is purged on the strength of it).
-fn save_snapshot(path: &PathBuf, s: &StoredSnapshot) -> Result<(), StorageError<NodeId>> {
-    use std::io::Write;
-    let meta = codec::to_vec(&s.meta).map_err(write_err)?;
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(write_err)?;
-    f.write_all(&(meta.len() as u32).to_be_bytes())
-        .and_then(|_| f.write_all(&meta))
-        .and_then(|_| f.write_all(&s.data))
-        .and_then(|_| f.sync_data())
-        .map_err(write_err)?;
-    std::fs::rename(&tmp, path).map_err(write_err)?;
-    let dir = path.parent().unwrap_or(std::path::Path::new("."));
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(write_err)
-}
-
 impl RaftStateMachine<TypeConfig> for StateMachine {
     type SnapshotBuilder = SnapshotBuilder;
 
@@ -406,32 +383,45 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             jobs: self.jobs.clone(),
             meta: self.meta.clone(),
             requests: self.requests.clone(),
-            snapshot: self.snapshot.clone(),
-            path: self.snapshot_path.clone(),
+            snapshots: self.snapshots.clone(),
             fault: self.db.fault().clone(),
         }
     }
 
     async fn begin_receiving_snapshot(
         &mut self,
-    ) -> Result<Box<Cursor<Vec<u8>>>, StorageError<NodeId>> {
-        Ok(Box::new(Cursor::new(Vec::new())))
+    ) -> Result<Box<tokio::fs::File>, StorageError<NodeId>> {
+        // A transfer that began again: the bytes of the first attempt are dropped.
+        if let Some(old) = self.receiving.take() {
+            let _ = std::fs::remove_file(old);
+        }
+        let path = self.snapshots.new_data_path("recv");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(write_err)?;
+        self.receiving = Some(path);
+        Ok(Box::new(tokio::fs::File::from_std(file)))
     }
 
     async fn install_snapshot(
         &mut self,
         meta: &SnapshotMeta<NodeId, BasicNode>,
-        snapshot: Box<Cursor<Vec<u8>>>,
+        snapshot: Box<tokio::fs::File>,
     ) -> Result<(), StorageError<NodeId>> {
         let fault = self.db.fault().clone();
         let r: Result<(), StorageError<NodeId>> = async {
-            let bytes = snapshot.into_inner();
-            let data = SnapshotData::decode(&bytes).map_err(read_err)?;
-            let stored = StoredSnapshot {
-                meta: meta.clone(),
-                data: Arc::new(bytes),
-            };
-            save_snapshot(&self.snapshot_path, &stored)?;
+            let mut received = *snapshot;
+            tokio::io::AsyncWriteExt::flush(&mut received)
+                .await
+                .map_err(write_err)?;
+            let received = received.into_std().await;
+            let path = self.received_file(received)?;
+            let mut reader = BufReader::new(std::fs::File::open(&path).map_err(read_err)?);
+            let data = SnapshotData::read(&mut reader).map_err(read_err)?;
+            self.snapshots.switch(meta.clone(), &path)?;
             {
                 let mut a = self.shared.write();
                 let partition = a.state.partition();
@@ -450,7 +440,6 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 self.put_meta(&mut batch, &a)?;
                 batch.commit().map_err(write_err)?;
             }
-            *self.snapshot.lock().unwrap_or_else(|p| p.into_inner()) = Some(stored);
             // The installed state may hold anything: the timers read it again.
             self.shared.timers_reading();
             self.shared.applied.notify_waiters();
@@ -463,15 +452,45 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     async fn get_current_snapshot(
         &mut self,
     ) -> Result<Option<Snapshot<TypeConfig>>, StorageError<NodeId>> {
-        let s = self
-            .snapshot
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        Ok(s.map(|s| Snapshot {
-            meta: s.meta,
-            snapshot: Box::new(Cursor::new(s.data.as_ref().clone())),
+        Ok(self.snapshots.open_current()?.map(|(meta, file)| Snapshot {
+            meta,
+            snapshot: Box::new(tokio::fs::File::from_std(file)),
         }))
+    }
+}
+
+impl StateMachine {
+    /// The fsynced file of `received`, the snapshot handed to install: the file
+    /// begun for it, or, given another (openraft's storage suite hands the
+    /// leader's), a copy of it.
+    fn received_file(
+        &mut self,
+        mut received: std::fs::File,
+    ) -> Result<PathBuf, StorageError<NodeId>> {
+        use std::os::unix::fs::MetadataExt;
+        let ours =
+            self.receiving
+                .take()
+                .filter(|p| match (std::fs::metadata(p), received.metadata()) {
+                    (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+                    _ => false,
+                });
+        let path = match ours {
+            Some(p) => {
+                received.sync_data().map_err(write_err)?;
+                p
+            }
+            None => {
+                let path = self.snapshots.new_data_path("recv");
+                let mut copy = std::fs::File::create(&path).map_err(write_err)?;
+                received.rewind().map_err(read_err)?;
+                std::io::copy(&mut received, &mut copy)
+                    .and_then(|_| copy.sync_data())
+                    .map_err(write_err)?;
+                path
+            }
+        };
+        Ok(path)
     }
 }
 
@@ -494,8 +513,7 @@ pub struct SnapshotBuilder {
     jobs: Keyspace,
     meta: Keyspace,
     requests: Keyspace,
-    snapshot: Arc<Mutex<Option<StoredSnapshot>>>,
-    path: PathBuf,
+    snapshots: Arc<SnapshotFiles>,
     fault: Arc<super::Fault>,
 }
 
@@ -509,8 +527,8 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                 write_err(std::io::Error::other("a snapshot builder is used once"))
             })?;
             let stored = [self.jobs.clone(), self.meta.clone(), self.requests.clone()];
-            let (current, path) = (self.snapshot.clone(), self.path.clone());
-            tokio::task::spawn_blocking(move || build(&view, &stored, &current, &path))
+            let files = self.snapshots.clone();
+            tokio::task::spawn_blocking(move || build(&view, &stored, &files))
                 .await
                 .map_err(write_err)?
         }
@@ -519,13 +537,12 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     }
 }
 
-/// Reads the view into a snapshot, writes it as the partition's snapshot file and
-/// makes it current.
+/// Streams the view into a new snapshot data file, makes it current, and opens it
+/// for openraft to send.
 fn build(
     view: &fjall::Snapshot,
     [jobs, meta, requests]: &[Keyspace; 3],
-    current: &Mutex<Option<StoredSnapshot>>,
-    path: &PathBuf,
+    files: &SnapshotFiles,
 ) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
     use fjall::Readable;
     let started = std::time::Instant::now();
@@ -535,81 +552,113 @@ fn build(
         Some(v) => v.to_vec(),
         None => codec::to_vec(&Counters::default()).map_err(write_err)?,
     };
-    let stored_jobs = view
-        .iter(jobs)
-        .map(|g| g.value().map_err(read_err))
-        .collect::<Result<Vec<_>, _>>()?;
-    let onces = view
-        .iter(requests)
-        .map(|g| g.into_inner().map_err(read_err))
-        .collect::<Result<Vec<_>, _>>()?;
-    let data = join_snapshot(
-        &counters,
-        stored_jobs.iter().map(|v| &v[..]),
-        onces.iter().map(|(k, v)| (&k[..], &v[..])),
-    )
-    .map_err(write_err)?;
-    let reading = started.elapsed();
+    let path = files.new_data_path("part");
+    let written = write_data(&path, view, &counters, jobs, requests);
+    let (job_count, once_count, bytes) = match written {
+        Ok(w) => w,
+        Err(e) => {
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
+    };
     let id = match last_applied {
-        Some(l) => format!("{}-{}-{}", l.leader_id, l.index, data.len()),
-        None => format!("none-{}", data.len()),
+        Some(l) => format!("{}-{}-{bytes}", l.leader_id, l.index),
+        None => format!("none-{bytes}"),
     };
     let meta = SnapshotMeta {
         last_log_id: last_applied,
         last_membership,
         snapshot_id: id,
     };
-    let stored = StoredSnapshot {
-        meta: meta.clone(),
-        data: Arc::new(data),
-    };
-    save_snapshot(path, &stored)?;
+    files.switch(meta, &path)?;
     let took = started.elapsed();
     crate::metrics::SNAPSHOT_SECONDS.observe(took.as_secs_f64());
     tracing::debug!(
-        jobs = stored_jobs.len(),
-        onces = onces.len(),
-        bytes = stored.data.len(),
-        ?reading,
+        jobs = job_count,
+        onces = once_count,
+        bytes,
         ?took,
         "snapshot built"
     );
-    let data = stored.data.as_ref().clone();
-    *current.lock().unwrap_or_else(|p| p.into_inner()) = Some(stored);
+    let (meta, file) = files.open_current()?.ok_or_else(|| {
+        read_err(std::io::Error::other(
+            "the snapshot just built is not current",
+        ))
+    })?;
     Ok(Snapshot {
         meta,
-        snapshot: Box::new(Cursor::new(data)),
+        snapshot: Box::new(tokio::fs::File::from_std(file)),
     })
 }
 
-/// The encoded [`SnapshotData`] made of the stored encodings of the counters, the
-/// jobs and the records (key and value) as they are: postcard writes a struct as
-/// its fields in order, a sequence as its length (a varint, like a u64) followed
-/// by its elements, and a byte array (the 16-byte key) as its bytes.
-pub fn join_snapshot<'a>(
+/// Writes the [`SnapshotData`] of `view` to `path` and fsyncs it: the stored
+/// encodings of the counters, the jobs and the records (key and value) as they
+/// are, one at a time. Postcard writes a struct as its fields in order, a sequence
+/// as its length (a varint, like a u64) followed by its elements, and a byte array
+/// (the 16-byte key) as its bytes. Returns the jobs, records and bytes written.
+fn write_data(
+    path: &Path,
+    view: &fjall::Snapshot,
     counters: &[u8],
-    jobs: impl ExactSizeIterator<Item = &'a [u8]> + Clone,
-    onces: impl ExactSizeIterator<Item = (&'a [u8], &'a [u8])> + Clone,
-) -> Result<Vec<u8>, codec::CodecError> {
-    let job_count = codec::to_vec(&(jobs.len() as u64))?;
-    let once_count = codec::to_vec(&(onces.len() as u64))?;
-    let size = counters.len()
-        + job_count.len()
-        + jobs.clone().map(<[u8]>::len).sum::<usize>()
-        + once_count.len()
-        + onces.clone().map(|(k, v)| k.len() + v.len()).sum::<usize>();
-    let mut data = Vec::with_capacity(size);
-    data.extend_from_slice(counters);
-    data.extend_from_slice(&job_count);
-    for v in jobs {
-        data.extend_from_slice(v);
+    jobs: &Keyspace,
+    requests: &Keyspace,
+) -> Result<(u64, u64, u64), StorageError<NodeId>> {
+    use fjall::Readable;
+    let file = std::fs::File::create(path).map_err(write_err)?;
+    let mut w = Counting::new(BufWriter::with_capacity(SNAPSHOT_WRITE_BUFFER, file));
+    let count = |ks: &Keyspace| -> Result<u64, StorageError<NodeId>> {
+        let mut n = 0u64;
+        for g in view.iter(ks) {
+            g.key().map_err(read_err)?;
+            n += 1;
+        }
+        Ok(n)
+    };
+    // Counted first, the view being fixed, so each length precedes its items.
+    let (job_count, once_count) = (count(jobs)?, count(requests)?);
+    let put = |w: &mut Counting<_>, b: &[u8]| w.write_all(b).map_err(write_err);
+    put(&mut w, counters)?;
+    put(&mut w, &codec::to_vec(&job_count).map_err(write_err)?)?;
+    for g in view.iter(jobs) {
+        put(&mut w, &g.value().map_err(read_err)?)?;
     }
-    data.extend_from_slice(&once_count);
-    for (k, v) in onces {
-        data.extend_from_slice(k);
-        data.extend_from_slice(v);
+    put(&mut w, &codec::to_vec(&once_count).map_err(write_err)?)?;
+    for g in view.iter(requests) {
+        let (k, v) = g.into_inner().map_err(read_err)?;
+        put(&mut w, &k)?;
+        put(&mut w, &v)?;
     }
-    Ok(data)
+    let bytes = w.written;
+    let file = w
+        .inner
+        .into_inner()
+        .map_err(|e| write_err(e.into_error()))?;
+    file.sync_data().map_err(write_err)?;
+    Ok((job_count, once_count, bytes))
+}
+
+/// A writer that counts the bytes written through it.
+struct Counting<W> {
+    inner: W,
+    written: u64,
+}
+
+impl<W: Write> Counting<W> {
+    fn new(inner: W) -> Self {
+        Counting { inner, written: 0 }
+    }
+}
+
+impl<W: Write> Write for Counting<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.written += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 #[cfg(test)]

@@ -68,6 +68,20 @@ fn create_once(id: u128, jobs: usize) -> Command {
     }
 }
 
+/// The bytes of a snapshot's data, from its start.
+async fn bytes(f: &mut tokio::fs::File) -> Vec<u8> {
+    use tokio::io::{AsyncReadExt, AsyncSeekExt};
+    f.rewind().await.unwrap();
+    let mut out = Vec::new();
+    f.read_to_end(&mut out).await.unwrap();
+    out
+}
+
+/// Another handle on a snapshot's data, for a second reader.
+async fn another(f: &tokio::fs::File) -> Box<tokio::fs::File> {
+    Box::new(f.try_clone().await.unwrap())
+}
+
 fn onces(sm: &StateMachine) -> Vec<(RequestId, OnceRecord)> {
     sm.shared().read().state.onces().collect()
 }
@@ -115,7 +129,8 @@ async fn remembered_requests_survive_restarts_and_travel_in_snapshots() {
     assert_eq!(sm.shared().read().state.job_count(), 3);
 
     // Installed on a replica that had none: remembered there, and stored.
-    let data = SnapshotData::decode(snap.snapshot.get_ref()).unwrap();
+    let mut snap = snap;
+    let data = SnapshotData::decode(&bytes(&mut snap.snapshot).await).unwrap();
     assert_eq!(data.onces, remembered);
     let other_db = Db::open(&dir.path().join("b"), Durability::Fsync).unwrap();
     let other_snaps = dir.path().join("snaps-b");
@@ -125,7 +140,7 @@ async fn remembered_requests_survive_restarts_and_travel_in_snapshots() {
         .await
         .unwrap();
     other
-        .install_snapshot(&snap.meta, snap.snapshot.clone())
+        .install_snapshot(&snap.meta, another(&snap.snapshot).await)
         .await
         .unwrap();
     assert_eq!(onces(&other), remembered);
@@ -180,22 +195,23 @@ async fn a_snapshot_is_the_state_when_the_builder_was_taken() {
     sm.apply([create(1, 3), create(2, 4)]).await.unwrap();
     let mut builder = sm.get_snapshot_builder().await;
     sm.apply([create(3, 5)]).await.unwrap();
-    let snap = builder.build_snapshot().await.unwrap();
+    let mut snap = builder.build_snapshot().await.unwrap();
     assert_eq!(snap.meta.last_log_id.map(|l| l.index), Some(2));
-    let data = SnapshotData::decode(snap.snapshot.get_ref()).unwrap();
+    let built = bytes(&mut snap.snapshot).await;
+    let data = SnapshotData::decode(&built).unwrap();
     assert_eq!(data.jobs.len(), 7);
     assert_eq!(sm.shared().read().state.job_count(), 12);
 
-    let current = sm.get_current_snapshot().await.unwrap().unwrap();
+    let mut current = sm.get_current_snapshot().await.unwrap().unwrap();
     assert_eq!(current.meta, snap.meta);
-    assert_eq!(current.snapshot.get_ref(), snap.snapshot.get_ref());
+    assert_eq!(bytes(&mut current.snapshot).await, built);
 
     let other_db = Db::open(&dir.path().join("b"), Durability::Fsync).unwrap();
     let mut other =
         StateMachine::open(&other_db, PartitionId(1), dir.path().join("snaps-b")).unwrap();
     other.apply([create(1, 1)]).await.unwrap();
     other
-        .install_snapshot(&snap.meta, snap.snapshot.clone())
+        .install_snapshot(&snap.meta, another(&snap.snapshot).await)
         .await
         .unwrap();
     let (applied, _) = other.applied_state().await.unwrap();
@@ -208,9 +224,82 @@ async fn a_snapshot_is_the_state_when_the_builder_was_taken() {
 
     drop(sm);
     let reopened = StateMachine::open(&db, PartitionId(1), snaps).unwrap();
-    let loaded = reopened.snapshot.lock().unwrap().clone().unwrap();
+    let loaded = reopened.snapshots.current().unwrap();
     assert_eq!(loaded.meta, snap.meta);
-    assert_eq!(loaded.data.as_ref(), snap.snapshot.get_ref());
+    assert_eq!(std::fs::read(&loaded.data).unwrap(), built);
+}
+
+/// A snapshot received through the file begun for it becomes the current data file
+/// as it is (no copy); a broker that stopped mid-way leaves no files behind once it
+/// opens again; and a snapshot file of data format 4 (meta and data in one file) is
+/// converted to an index and a data file when the partition opens.
+#[tokio::test]
+async fn snapshot_files_are_received_in_place_cleaned_up_and_converted() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    let db = Db::open(&dir.path().join("a"), Durability::Fsync).unwrap();
+    let snaps = dir.path().join("snaps-a");
+    let mut sm = StateMachine::open(&db, PartitionId(1), snaps.clone()).unwrap();
+    sm.apply([create(1, 3)]).await.unwrap();
+    let mut snap = sm
+        .get_snapshot_builder()
+        .await
+        .build_snapshot()
+        .await
+        .unwrap();
+    let built = bytes(&mut snap.snapshot).await;
+
+    let other_db = Db::open(&dir.path().join("b"), Durability::Fsync).unwrap();
+    let other_snaps = dir.path().join("snaps-b");
+    let mut other = StateMachine::open(&other_db, PartitionId(1), other_snaps.clone()).unwrap();
+    let mut receiving = other.begin_receiving_snapshot().await.unwrap();
+    receiving.write_all(&built).await.unwrap();
+    let begun = other.receiving.clone().unwrap();
+    other.install_snapshot(&snap.meta, receiving).await.unwrap();
+    let current = other.snapshots.current().unwrap();
+    assert_eq!(
+        current.data,
+        begun.with_extension("data"),
+        "renamed, not copied"
+    );
+    assert_eq!(std::fs::read(&current.data).unwrap(), built);
+    assert_eq!(other.shared().read().state.job_count(), 3);
+
+    // Left half-way: a transfer and a build. Both are gone after a restart.
+    let _half = other.begin_receiving_snapshot().await.unwrap();
+    std::fs::write(other_snaps.join("p1-1-1.part"), b"half").unwrap();
+    drop(other);
+    let other = StateMachine::open(&other_db, PartitionId(1), other_snaps.clone()).unwrap();
+    let mut names: Vec<String> = std::fs::read_dir(&other_snaps)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with("p1"))
+        .collect();
+    names.sort();
+    let data_name = current
+        .data
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(names, vec![data_name, "p1.snap".to_string()]);
+    drop(other);
+
+    // Format 4: the meta's length, the meta, the data, in `p1.snapshot`.
+    let old_snaps = dir.path().join("snaps-c");
+    std::fs::create_dir_all(&old_snaps).unwrap();
+    let meta = codec::to_vec(&snap.meta).unwrap();
+    let mut old = (meta.len() as u32).to_be_bytes().to_vec();
+    old.extend_from_slice(&meta);
+    old.extend_from_slice(&built);
+    std::fs::write(old_snaps.join("p1.snapshot"), &old).unwrap();
+    let db_c = Db::open(&dir.path().join("c"), Durability::Fsync).unwrap();
+    let mut converted = StateMachine::open(&db_c, PartitionId(1), old_snaps.clone()).unwrap();
+    assert!(!old_snaps.join("p1.snapshot").exists());
+    let mut current = converted.get_current_snapshot().await.unwrap().unwrap();
+    assert_eq!(current.meta, snap.meta);
+    assert_eq!(bytes(&mut current.snapshot).await, built);
 }
 
 proptest::proptest! {
