@@ -11,6 +11,7 @@ mod common;
 mod bounds;
 mod cluster;
 mod flow;
+mod gateways;
 mod node_sdk;
 mod push;
 mod pyzeebe;

@@ -1,22 +1,25 @@
-//! [`Client`]: one channel to a gateway, the producer and worker calls, their retries.
+//! [`Client`]: the producer and worker calls over one or more gateways, and their
+//! retries.
 
 use crate::error::ClientError;
+use crate::gateways::{Gateways, Picked};
 use crate::request::{millis, IntoJsonText, StreamJobs, JOBS_HELD_HEADER, MAX_JOBS_ACTIVE_HEADER};
 use crate::retry::{with_retries, Backoff, DEFAULT_BACKOFF, DEFAULT_RETRY_BUDGET};
-use crate::security::{AuthChannel, Security, TokenSource};
-use courier_proto::courier_v1::{self as v1, jobs_client::JobsClient};
-use courier_proto::gateway_protocol::{self as gw, gateway_client::GatewayClient};
+use crate::security::{AuthChannel, Security};
+use courier_proto::courier_v1 as v1;
+use courier_proto::gateway_protocol as gw;
 use std::future::Future;
 use std::time::Duration;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use tonic::transport::Channel;
 use tonic::Status;
 
-/// Largest answer the client takes: an ActivateJobs answer carries up to 4 MiB of
-/// jobs, a GetJob answer a job and its last error message.
-const MAX_ANSWER_BYTES: usize = 64 * 1024 * 1024;
-
-/// A handle to one gateway. Cloning is cheap: clones share the channel, so make one
-/// per gateway and hand clones to tasks.
+/// A handle to a cluster's gateways. Cloning is cheap: clones share the channels,
+/// so make one and hand clones to tasks.
+///
+/// Each call goes to one gateway, chosen per call by power of two choices (fewer
+/// calls outstanding, then lower recent latency), passing over one that could not be
+/// reached a moment ago; a retry chooses again. See [`Client::connect`] for the
+/// addresses it takes.
 ///
 /// Every call retries `UNAVAILABLE` and `RESOURCE_EXHAUSTED` (no leader right now, back
 /// pressure) until the retry budget is spent. A command the gateway carried out but
@@ -38,51 +41,48 @@ const MAX_ANSWER_BYTES: usize = 64 * 1024 * 1024;
 /// ```
 #[derive(Clone, Debug)]
 pub struct Client {
-    jobs: JobsClient<AuthChannel>,
-    gateway: GatewayClient<AuthChannel>,
+    gateways: Gateways,
     backoff: Backoff,
     /// How long one call keeps retrying, counted from its first attempt.
     retry_budget: Duration,
 }
 
 impl Client {
-    /// A client for the gateway at `addr` (`host:port` or `http://host:port`).
-    /// Connects lazily, on the first call, so a gateway that is not up yet is not an
-    /// error here. Must be called inside a Tokio runtime.
-    pub fn connect(addr: &str) -> Result<Client, ClientError> {
-        Client::connect_with(addr, &Security::default())
+    /// A client for the gateways at `addrs`: one address or several, comma-separated,
+    /// each `host:port` or `http://host:port`. A host name stands for all the
+    /// addresses it resolves to, resolved again every 30 s, so gateways behind one
+    /// DNS name (a headless Kubernetes service) all take calls. Connects lazily, on
+    /// the first call, so a gateway that is not up yet is not an error here. Must be
+    /// called inside a Tokio runtime.
+    pub fn connect(addrs: &str) -> Result<Client, ClientError> {
+        Client::connect_with(addrs, &Security::default())
     }
 
-    /// A client for the gateway at `addr` with TLS and credentials: `host:port`
-    /// (TLS when `security` names a CA), `http://host:port`, or `https://host:port`
-    /// (checked against `security`'s CA, or the system's roots without one).
-    pub fn connect_with(addr: &str, security: &Security) -> Result<Client, ClientError> {
-        let endpoint = endpoint_with(addr, security)?;
-        let tokens = TokenSource::new(&security.credentials).map_err(|e| connect_error(addr, e))?;
-        // The channel spawns its worker task at once; without a runtime that panics.
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err(connect_error(addr, "not inside a Tokio runtime"));
-        }
-        Ok(Client::from_auth_channel(AuthChannel::new(
-            endpoint.connect_lazy(),
-            tokens,
-        )))
+    /// A client for the gateways at `addrs` (as for [`Client::connect`]) with TLS and
+    /// credentials: `host:port` (TLS when `security` names a CA), `http://host:port`,
+    /// or `https://host:port` (checked against `security`'s CA, or the system's roots
+    /// without one).
+    pub fn connect_with(addrs: &str, security: &Security) -> Result<Client, ClientError> {
+        Ok(Client::from_gateways(Gateways::connect(addrs, security)?))
     }
 
-    /// A client over a channel built elsewhere (other settings, TLS).
+    /// A client over a channel built elsewhere (other settings, TLS): one gateway.
     pub fn from_channel(channel: Channel) -> Client {
-        Client::from_auth_channel(AuthChannel::new(channel, None))
+        Client::from_gateways(Gateways::single(AuthChannel::new(channel, None)))
     }
 
-    fn from_auth_channel(channel: AuthChannel) -> Client {
+    fn from_gateways(gateways: Gateways) -> Client {
         Client {
-            // A job fits in 4 MiB, but GetJob also carries its last error message,
-            // which no limit bounds: tonic's default of 4 MiB would refuse it.
-            jobs: JobsClient::new(channel.clone()).max_decoding_message_size(MAX_ANSWER_BYTES),
-            gateway: GatewayClient::new(channel).max_decoding_message_size(MAX_ANSWER_BYTES),
+            gateways,
             backoff: DEFAULT_BACKOFF,
             retry_budget: DEFAULT_RETRY_BUDGET,
         }
+    }
+
+    /// The gateway addresses calls go to, as dialled (a host name's resolved
+    /// addresses once it has been resolved).
+    pub fn gateway_addresses(&self) -> Vec<String> {
+        self.gateways.addresses()
     }
 
     /// How long each call keeps retrying transient failures (default 30 s); zero
@@ -97,7 +97,7 @@ impl Client {
         &self,
         job: impl Into<v1::CreateJobRequest>,
     ) -> Result<v1::CreateJobResponse, ClientError> {
-        self.call(&self.jobs, job.into(), |mut c, r| async move {
+        self.call(Picked::jobs, job.into(), |mut c, r| async move {
             c.create_job(r).await
         })
         .await
@@ -116,7 +116,7 @@ impl Client {
             return Ok(Vec::new());
         }
         let response = self
-            .call(&self.jobs, request, |mut c, r| async move {
+            .call(Picked::jobs, request, |mut c, r| async move {
                 c.create_jobs(r).await
             })
             .await?;
@@ -127,11 +127,9 @@ impl Client {
     pub async fn get_job(&self, key: i64) -> Result<v1::Job, ClientError> {
         let request = v1::GetJobRequest { key };
         let response = self
-            .call(
-                &self.jobs,
-                request,
-                |mut c, r| async move { c.get_job(r).await },
-            )
+            .call(Picked::jobs, request, |mut c, r| async move {
+                c.get_job(r).await
+            })
             .await?;
         response
             .job
@@ -141,7 +139,7 @@ impl Client {
     /// Cancels the job: it is gone, whatever state it was in.
     pub async fn cancel_job(&self, key: i64) -> Result<(), ClientError> {
         let request = v1::CancelJobRequest { key };
-        self.call(&self.jobs, request, |mut c, r| async move {
+        self.call(Picked::jobs, request, |mut c, r| async move {
             c.cancel_job(r).await
         })
         .await?;
@@ -158,10 +156,13 @@ impl Client {
     ) -> Result<Vec<gw::ActivatedJob>, ClientError> {
         let request = request.into();
         let jobs = with_retries(self.backoff, self.retry_budget, || {
-            let mut gateway = self.gateway.clone();
+            let picked = self.gateways.pick();
             let request = request.clone();
             async move {
-                let mut stream = gateway.activate_jobs(request).await?.into_inner();
+                let opened = picked.gateway().activate_jobs(request).await;
+                // A long poll: it counts as outstanding, but its time says nothing.
+                picked.record(&opened, false);
+                let mut stream = opened?.into_inner();
                 let mut jobs = Vec::new();
                 loop {
                     match stream.message().await {
@@ -204,7 +205,7 @@ impl Client {
             .and_then(|h| tonic::metadata::MetadataValue::try_from(h).ok());
         let message = gw::StreamActivatedJobsRequest::from(request);
         let stream = with_retries(self.backoff, self.retry_budget, || {
-            let mut gateway = self.gateway.clone();
+            let picked = self.gateways.pick();
             let mut request = tonic::Request::new(message.clone());
             if let Some(n) = credit {
                 request
@@ -216,7 +217,11 @@ impl Client {
                     .metadata_mut()
                     .insert(JOBS_HELD_HEADER, held.clone());
             }
-            async move { gateway.stream_activated_jobs(request).await }
+            async move {
+                let opened = picked.gateway().stream_activated_jobs(request).await;
+                picked.record(&opened, false);
+                opened
+            }
         })
         .await?;
         Ok(stream.into_inner())
@@ -232,7 +237,7 @@ impl Client {
             job_key: key,
             variables: variables.into_json_text(),
         };
-        self.call(&self.gateway, request, |mut c, r| async move {
+        self.call(Picked::gateway, request, |mut c, r| async move {
             c.complete_job(r).await
         })
         .await?;
@@ -255,7 +260,7 @@ impl Client {
             retry_back_off: millis(backoff),
             variables: String::new(),
         };
-        self.call(&self.gateway, request, |mut c, r| async move {
+        self.call(Picked::gateway, request, |mut c, r| async move {
             c.fail_job(r).await
         })
         .await?;
@@ -275,7 +280,7 @@ impl Client {
             error_message: message.into(),
             variables: String::new(),
         };
-        self.call(&self.gateway, request, |mut c, r| async move {
+        self.call(Picked::gateway, request, |mut c, r| async move {
             c.throw_error(r).await
         })
         .await?;
@@ -289,7 +294,7 @@ impl Client {
             retries,
             operation_reference: None,
         };
-        self.call(&self.gateway, request, |mut c, r| async move {
+        self.call(Picked::gateway, request, |mut c, r| async move {
             c.update_job_retries(r).await
         })
         .await?;
@@ -303,7 +308,7 @@ impl Client {
             timeout: millis(timeout),
             operation_reference: None,
         };
-        self.call(&self.gateway, request, |mut c, r| async move {
+        self.call(Picked::gateway, request, |mut c, r| async move {
             c.update_job_timeout(r).await
         })
         .await?;
@@ -313,109 +318,45 @@ impl Client {
     /// The cluster as the gateway sees it: brokers, partitions, leaders, health.
     pub async fn topology(&self) -> Result<gw::TopologyResponse, ClientError> {
         self.call(
-            &self.gateway,
+            Picked::gateway,
             gw::TopologyRequest {},
             |mut c, r| async move { c.topology(r).await },
         )
         .await
     }
 
-    /// One unary call with retries: each attempt gets its own clone of the stub (the
-    /// generated methods take `&mut self`) and of the request.
+    /// One unary call with retries: each attempt picks a gateway and calls `rpc` on
+    /// a clone of its `stub` (the generated methods take `&mut self`) with a clone
+    /// of the request.
     async fn call<S, Req, Resp, F, Fut>(
         &self,
-        stub: &S,
+        stub: fn(&Picked) -> S,
         request: Req,
         rpc: F,
     ) -> Result<Resp, ClientError>
     where
-        S: Clone,
         Req: Clone,
         F: Fn(S, Req) -> Fut,
         Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
     {
         let response = with_retries(self.backoff, self.retry_budget, || {
-            rpc(stub.clone(), request.clone())
+            let picked = self.gateways.pick();
+            let call = rpc(stub(&picked), request.clone());
+            async move {
+                let outcome = call.await;
+                picked.record(&outcome, true);
+                outcome
+            }
         })
         .await?;
         Ok(response.into_inner())
     }
 }
 
-/// The endpoint for `addr`, with the connection settings every client uses.
-#[cfg(test)]
-fn endpoint(addr: &str) -> Result<Endpoint, ClientError> {
-    endpoint_with(addr, &Security::default())
-}
-
-/// The endpoint for `addr` under `security`, with the connection settings every
-/// client uses.
-fn endpoint_with(addr: &str, security: &Security) -> Result<Endpoint, ClientError> {
-    let trimmed = addr.trim();
-    let tls_ca = match &security.tls_ca {
-        Some(path) => Some(std::fs::read(path).map_err(|e| {
-            connect_error(
-                addr,
-                format!("cannot read the TLS CA file {}: {e}", path.display()),
-            )
-        })?),
-        None => None,
-    };
-    let uri = match trimmed.split_once("://") {
-        None if tls_ca.is_some() => format!("https://{trimmed}"),
-        None => format!("http://{trimmed}"),
-        Some(("http", _)) if tls_ca.is_some() => {
-            return Err(connect_error(
-                addr,
-                "a TLS CA is given but the address says http://: use https:// or host:port",
-            ))
-        }
-        Some(("http" | "https", _)) => trimmed.to_string(),
-        Some((scheme, _)) => {
-            return Err(connect_error(
-                addr,
-                format!(
-                    "unsupported scheme {scheme}:// (use host:port, http://host:port or https://host:port)"
-                ),
-            ))
-        }
-    };
-    let https = uri.starts_with("https://");
-    let mut endpoint = Endpoint::from_shared(uri).map_err(|e| connect_error(addr, e))?;
-    if https {
-        let tls = match &tls_ca {
-            Some(pem) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)),
-            None => ClientTlsConfig::new().with_native_roots(),
-        };
-        endpoint = endpoint
-            .tls_config(tls)
-            .map_err(|e| connect_error(addr, e))?;
-    }
-    // Without an explicit port the URI would mean port 80, never a gateway.
-    if endpoint.uri().host().is_none_or(str::is_empty) || endpoint.uri().port().is_none() {
-        return Err(connect_error(addr, "expected host:port"));
-    }
-    Ok(endpoint
-        .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(5))
-        // Pings find a dead connection (a gateway that vanished without a FIN) before
-        // a long poll or stream waits on it forever. 30 s is the least interval Zeebe
-        // gateways accept.
-        .http2_keep_alive_interval(Duration::from_secs(30))
-        .keep_alive_timeout(Duration::from_secs(10))
-        .keep_alive_while_idle(true))
-}
-
-fn connect_error(addr: &str, reason: impl ToString) -> ClientError {
-    ClientError::Connect {
-        addr: addr.to_string(),
-        reason: reason.to_string(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gateways::endpoint;
 
     fn uri(addr: &str) -> Result<String, String> {
         endpoint(addr)

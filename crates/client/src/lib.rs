@@ -57,6 +57,7 @@
 
 pub mod client;
 pub mod error;
+mod gateways;
 pub mod request;
 mod retry;
 pub mod security;

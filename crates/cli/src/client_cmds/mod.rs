@@ -19,7 +19,9 @@ const CREATE_IN_FLIGHT: usize = 4;
 /// Which gateway to talk to and how to print the answers.
 #[derive(clap::Args, Debug)]
 pub struct ClientOpts {
-    /// Gateway address: host:port, http://host:port or https://host:port.
+    /// Gateway addresses, comma-separated: host:port, http://host:port or
+    /// https://host:port. Each call goes to one of them, chosen per call; a host name
+    /// stands for every address it resolves to.
     #[arg(
         long,
         env = "COURIER_ADDRESS",

@@ -1,0 +1,102 @@
+//! Several gateways: a client given all of them spreads its calls over them, per
+//! call, and goes on over the others when one dies.
+
+use crate::common;
+
+use common::{serial, Cluster, ClusterOpts};
+use courier_client::{Client, NewJob};
+use std::time::{Duration, Instant};
+
+/// Requests each gateway has answered so far.
+async fn answered(cluster: &Cluster) -> Vec<f64> {
+    let mut per = Vec::new();
+    for i in 0..cluster.gateway_addrs.len() {
+        per.push(
+            cluster
+                .gateway_metric(i, "courier_gateway_requests_total")
+                .await,
+        );
+    }
+    per
+}
+
+/// Creates `n` jobs from `tasks` concurrent tasks; every one must be acknowledged.
+async fn create_many(c: &Client, tasks: usize, n: usize) {
+    let mut running = Vec::new();
+    for _ in 0..tasks {
+        let c = c.clone();
+        running.push(tokio::spawn(async move {
+            for _ in 0..n / tasks {
+                c.create_job(NewJob::new("spread")).await.expect("create");
+            }
+        }));
+    }
+    for t in running {
+        t.await.expect("creating task");
+    }
+}
+
+/// Three gateways behind one client: each takes a share of the calls (none is
+/// pinned), and with one killed every call still succeeds on the other two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_spreads_calls_over_its_gateways_and_outlives_one() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts::one_broker(2)).await;
+    cluster.add_gateway();
+    cluster.add_gateway();
+    let c = Client::connect(&cluster.gateway_addrs.join(","))
+        .expect("client")
+        .with_retry_budget(Duration::from_secs(20));
+    assert_eq!(c.gateway_addresses(), cluster.gateway_addrs);
+    // Every gateway must be serving before shares mean anything.
+    for i in 0..3 {
+        cluster
+            .client_of(i)
+            .topology()
+            .await
+            .expect("gateway serves");
+    }
+    let before = answered(&cluster).await;
+    create_many(&c, 12, 600).await;
+    let after = answered(&cluster).await;
+    let shares: Vec<f64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    let total: f64 = shares.iter().sum();
+    assert!(total >= 600.0, "{shares:?}");
+    for s in &shares {
+        assert!(
+            *s >= total * 0.15,
+            "every gateway takes a share: {shares:?}"
+        );
+    }
+
+    cluster.kill_gateway(1);
+    let started = Instant::now();
+    create_many(&c, 12, 300).await;
+    eprintln!(
+        "300 creates with a gateway dead took {:?}",
+        started.elapsed()
+    );
+    let last = answered(&cluster).await;
+    let on_the_others = last[0] - after[0] + last[2] - after[2];
+    assert!(on_the_others >= 300.0, "{last:?} after {after:?}");
+}
+
+/// A host name stands for every address it resolves to: `localhost` reaches a
+/// gateway on 127.0.0.1 whatever else it resolves to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_name_reaches_the_gateways_it_resolves_to() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::one_broker(1)).await;
+    let port = cluster.gateway_addr.rsplit(':').next().expect("a port");
+    let c = Client::connect(&format!("localhost:{port}"))
+        .expect("client")
+        .with_retry_budget(Duration::from_secs(20));
+    for _ in 0..20 {
+        c.create_job(NewJob::new("named")).await.expect("create");
+    }
+    let addrs = c.gateway_addresses();
+    assert!(
+        addrs.contains(&format!("127.0.0.1:{port}")),
+        "resolved: {addrs:?}"
+    );
+}
