@@ -4,7 +4,7 @@
 use crate::common;
 
 use common::{serial, Cluster, ClusterOpts};
-use courier_client::{ActivateJobs, NewJob};
+use courier_client::{ActivateJobs, NewJob, StreamJobs};
 use courier_proto::domain::MAX_ACTIVATE_BYTES;
 use courier_proto::MAX_CLUSTER_MESSAGE_BYTES;
 use std::collections::BTreeSet;
@@ -161,4 +161,96 @@ async fn creates_past_a_partitions_memory_bound_are_refused_until_jobs_end() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Past `--payload-memory-budget` a partition keeps new payloads on disk only: the
+/// jobs' weight in memory stops growing with them, yet jobs reach workers whole
+/// (polled, with only the variables asked for, and pushed on a stream), GetJob
+/// shows them, and after a restart they are still on disk and still whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_past_the_budget_live_on_disk_and_reach_workers_whole() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts {
+        payload_memory_budget: Some(64 * 1024),
+        ..ClusterOpts::one_broker(1)
+    })
+    .await;
+    let c = cluster.client();
+    let vars = |i: usize| format!(r#"{{"i":{i},"pad":"{}"}}"#, "x".repeat(10_000));
+    let mut keys = Vec::new();
+    for i in 0..40 {
+        let job = NewJob::new("heavy")
+            .variables(vars(i).as_str())
+            .custom_headers(r#"{"h":"v"}"#);
+        keys.push(c.create_job(job).await.expect("create").key);
+    }
+    let broker = cluster.broker_metrics[&1].clone();
+    let stored = common::metric(&broker, "courier_broker_partition_stored_payloads").await;
+    assert!(stored >= 30.0, "stored apart: {stored}");
+    let weight = common::metric(&broker, "courier_broker_partition_job_bytes").await;
+    assert!(weight < 100_000.0, "weight in memory: {weight}");
+    let last = c.get_job(keys[39]).await.expect("get job");
+    assert_eq!(last.variables, vars(39));
+    assert_eq!(last.custom_headers, r#"{"h":"v"}"#);
+
+    // Polled, asking for one variable.
+    let poll = ActivateJobs::new("heavy")
+        .max_jobs(20)
+        .fetch_variables(["i"])
+        .request_timeout(Duration::ZERO);
+    let polled = c.activate_jobs(poll).await.expect("activate");
+    assert_eq!(polled.len(), 20);
+    for j in &polled {
+        let i = keys
+            .iter()
+            .position(|k| *k == j.key)
+            .expect("a created job");
+        assert_eq!(j.variables, format!(r#"{{"i":{i}}}"#));
+        assert_eq!(j.custom_headers, r#"{"h":"v"}"#);
+        c.complete_job(j.key, "").await.expect("complete");
+    }
+
+    // A restart keeps what is on disk there, and it still reads whole.
+    cluster.kill_broker(1);
+    cluster.start_broker(1);
+    cluster.wait_for_leaders(Duration::from_secs(30)).await;
+    let c = cluster.client();
+    common::wait_until(
+        Duration::from_secs(20),
+        "the broker serves again",
+        || async { c.get_job(keys[39]).await.is_ok() },
+    )
+    .await;
+    assert_eq!(
+        c.get_job(keys[39]).await.expect("get job").variables,
+        vars(39)
+    );
+    let stored = common::metric(&broker, "courier_broker_partition_stored_payloads").await;
+    assert!(
+        stored >= 10.0,
+        "still stored apart after a restart: {stored}"
+    );
+
+    // Pushed on a stream, whole.
+    let mut stream = c
+        .stream_activated_jobs(StreamJobs::new("heavy").max_jobs_active(100))
+        .await
+        .expect("stream");
+    let mut pushed = BTreeSet::new();
+    while pushed.len() < 20 {
+        let j = tokio::time::timeout(Duration::from_secs(20), stream.message())
+            .await
+            .expect("pushed in time")
+            .expect("stream ok")
+            .expect("stream open");
+        let i = keys
+            .iter()
+            .position(|k| *k == j.key)
+            .expect("a created job");
+        assert_eq!(j.variables, vars(i));
+        c.complete_job(j.key, "").await.expect("complete");
+        pushed.insert(j.key);
+    }
+    let read = common::metric(&broker, "courier_broker_stored_payloads_read_total").await;
+    assert!(read >= 10.0, "payloads read from disk: {read}");
 }

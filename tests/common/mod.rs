@@ -85,6 +85,8 @@ pub struct ClusterOpts {
     pub snapshot_every_bytes: Option<u64>,
     /// `--max-partition-bytes` of every broker (None: its default).
     pub max_partition_bytes: Option<u64>,
+    /// `--payload-memory-budget` of every broker (None: its default).
+    pub payload_memory_budget: Option<u64>,
 }
 
 impl Default for ClusterOpts {
@@ -105,6 +107,7 @@ impl Default for ClusterOpts {
             tmpfs: None,
             snapshot_every_bytes: None,
             max_partition_bytes: None,
+            payload_memory_budget: None,
         }
     }
 }
@@ -324,6 +327,9 @@ impl Cluster {
         }
         if let Some(bytes) = self.opts.max_partition_bytes {
             args.extend(["--max-partition-bytes".to_string(), bytes.to_string()]);
+        }
+        if let Some(bytes) = self.opts.payload_memory_budget {
+            args.extend(["--payload-memory-budget".to_string(), bytes.to_string()]);
         }
         if let Some(after) = self.opts.rebalance_after {
             args.extend(["--rebalance-after".to_string(), after.to_string()]);

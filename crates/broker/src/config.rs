@@ -36,17 +36,39 @@ pub struct BrokerConfig {
     /// connections that present a certificate of the cluster's CA, and it presents
     /// its own to its peers. `None`: plaintext, open to anyone who can reach it.
     pub cluster_tls: Option<courier_proto::tls::ClusterTls>,
-    /// Most bytes the jobs of one partition replica may weigh in memory (their text
-    /// and a fixed share each, see [`crate::engine::held_bytes`]). Past it a
-    /// leader refuses creates with RESOURCE_EXHAUSTED until jobs end: back pressure
-    /// on producers instead of every replica running out of memory.
+    /// What a partition replica holds in memory.
+    pub memory: Memory,
+}
+
+/// What a partition replica holds in memory: what its jobs weigh (their text and a
+/// fixed share each, see [`crate::engine::held_bytes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Memory {
+    /// Past this weight a new job's payload (variables and custom headers) is kept
+    /// on disk only, and read when the job is handed out or shown.
+    pub payload_budget: u64,
+    /// Past this weight a leader refuses creates with RESOURCE_EXHAUSTED until jobs
+    /// end: back pressure on producers instead of every replica running out of
+    /// memory.
     pub max_partition_bytes: u64,
 }
+
+impl Default for Memory {
+    fn default() -> Memory {
+        Memory {
+            payload_budget: DEFAULT_PAYLOAD_BUDGET,
+            max_partition_bytes: DEFAULT_MAX_PARTITION_BYTES,
+        }
+    }
+}
+
+/// The default of [`Memory::payload_budget`].
+pub const DEFAULT_PAYLOAD_BUDGET: u64 = 256 * 1024 * 1024;
 
 /// The default of [`BrokerConfig::lost_gateway_grace`].
 pub const DEFAULT_LOST_GATEWAY_GRACE: Duration = Duration::from_secs(10);
 
-/// The default of [`BrokerConfig::max_partition_bytes`].
+/// The default of [`Memory::max_partition_bytes`].
 pub const DEFAULT_MAX_PARTITION_BYTES: u64 = 512 * 1024 * 1024;
 
 /// The default of [`BrokerConfig::rebalance_after`].
@@ -215,7 +237,7 @@ mod tests {
             hand_off_leadership: true,
             rebalance_after: Some(DEFAULT_REBALANCE_AFTER),
             cluster_tls: None,
-            max_partition_bytes: DEFAULT_MAX_PARTITION_BYTES,
+            memory: Memory::default(),
         }
     }
 

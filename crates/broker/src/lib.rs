@@ -163,7 +163,8 @@ pub async fn run_with(
             LogStore::open(&db, p, config.node_id).map_err(|e| Error::Storage(e.to_string()))?;
         let sm = StateMachine::open(&db, id, config.data_dir.join("snapshots"))
             .map_err(|e| Error::Storage(e.to_string()))?
-            .with_durable(log.durable());
+            .with_durable(log.durable())
+            .with_payload_budget(config.memory.payload_budget);
         let shared = sm.shared();
         let written_bytes = log.written_bytes();
         let longer_log = Arc::new(raft::LongerLog::default());
@@ -185,7 +186,7 @@ pub async fn run_with(
             notices.clone(),
             registry.clone(),
             config.lost_gateway_grace,
-            config.max_partition_bytes,
+            config.memory.max_partition_bytes,
             longer_log,
             &tasks,
             shutdown.clone(),

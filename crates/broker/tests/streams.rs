@@ -80,7 +80,7 @@ async fn start_broker() -> (
         hand_off_leadership: true,
         rebalance_after: None,
         cluster_tls: None,
-        max_partition_bytes: courier_broker::config::DEFAULT_MAX_PARTITION_BYTES,
+        memory: courier_broker::config::Memory::default(),
     };
     let shutdown = CancellationToken::new();
     let broker = tokio::spawn(courier_broker::run(config, listener, shutdown.clone()));

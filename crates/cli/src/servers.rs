@@ -65,6 +65,21 @@ struct Memory {
     /// that partition are refused with RESOURCE_EXHAUSTED until jobs end.
     #[arg(long, default_value_t = courier_broker::config::DEFAULT_MAX_PARTITION_BYTES)]
     max_partition_bytes: u64,
+    /// Past this weight of a partition replica's jobs, a new job's variables and
+    /// custom headers are kept on disk only, and read when the job is handed out or
+    /// shown: memory then grows by the rest of a job only (its type, state and 256
+    /// bytes).
+    #[arg(long, default_value_t = courier_broker::config::DEFAULT_PAYLOAD_BUDGET)]
+    payload_memory_budget: u64,
+}
+
+impl Memory {
+    fn config(&self) -> courier_broker::config::Memory {
+        courier_broker::config::Memory {
+            payload_budget: self.payload_memory_budget,
+            max_partition_bytes: self.max_partition_bytes,
+        }
+    }
 }
 
 /// A duration, or none ("off").
@@ -439,7 +454,7 @@ pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
                 hand_off_leadership: false,
                 rebalance_after: Some(courier_broker::config::DEFAULT_REBALANCE_AFTER),
                 cluster_tls: Some(cluster_tls.clone()),
-                max_partition_bytes: a.memory.max_partition_bytes,
+                memory: a.memory.config(),
             };
             (config, listener)
         })
@@ -597,7 +612,7 @@ pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
         hand_off_leadership: true,
         rebalance_after: a.rebalance.rebalance_after.0,
         cluster_tls,
-        max_partition_bytes: a.memory.max_partition_bytes,
+        memory: a.memory.config(),
     };
     courier_broker::run(config, listener, shutdown)
         .await

@@ -58,7 +58,7 @@ impl Cluster {
                 hand_off_leadership: true,
                 rebalance_after: None,
                 cluster_tls: None,
-                max_partition_bytes: courier_broker::config::DEFAULT_MAX_PARTITION_BYTES,
+                memory: courier_broker::config::Memory::default(),
             };
             let stop = CancellationToken::new();
             tokio::spawn(courier_broker::run_with(

@@ -29,11 +29,14 @@ impl State {
             } => seen.insert((job_type.clone(), tenant_id.clone())),
             Effect::Push(_) | Effect::Finished { .. } => true,
         });
-        Applied {
+        let mut applied = Applied {
             replies,
             effects,
             repeated,
-        }
+            stored: BTreeSet::new(),
+        };
+        applied.stored = self.stored_among(&applied);
+        applied
     }
 
     /// The answer to `cmd` if it repeats a [`Command::Once`] applied before (an
@@ -244,6 +247,7 @@ impl State {
                     self.runnable(ts, *key, budget, false, effects, changes);
                 }
                 self.reweigh(*key, before);
+                self.place(*key, changes);
                 Ok(Reply::Done)
             }
             Command::ThrowError {
@@ -269,6 +273,7 @@ impl State {
                 job.status = JobStatus::ErrorThrown;
                 changes.jobs.insert(*key);
                 self.reweigh(*key, before);
+                self.place(*key, changes);
                 Ok(Reply::Done)
             }
             Command::UpdateRetries { key, retries } => {
@@ -338,7 +343,9 @@ impl State {
             },
         );
         self.reweigh(key, 0);
+        // Pushed at once, it goes out with its payload; stored after, if need be.
         self.runnable(ts, key, budget, true, effects, changes);
+        self.place(key, changes);
         key
     }
 
@@ -426,7 +433,7 @@ impl State {
             let Some(job) = self.jobs.get(key) else {
                 return true;
             };
-            let text = text_bytes(job);
+            let text = self.full_text_bytes(job);
             bytes = bytes.saturating_add(activated_size_bound(text, &props.worker) as u64);
             bytes <= max_bytes
         });
@@ -590,6 +597,9 @@ pub struct Applied {
     pub effects: Vec<Effect>,
     /// [`Command::Once`]s answered as an earlier attempt was.
     pub repeated: u32,
+    /// Jobs handed out (answered or pushed) without their payload, which is in the
+    /// store only: the leader reads it in before sending them.
+    pub stored: BTreeSet<JobKey>,
 }
 
 /// The job a command is about, and what it does to it in the words of the
@@ -649,7 +659,7 @@ pub(super) fn handed_out(
 }
 
 /// Keeps only the variables a worker asked for; all of them when it named none.
-pub(super) fn filter_variables(doc: &str, fetch: &[String]) -> String {
+pub(crate) fn filter_variables(doc: &str, fetch: &[String]) -> String {
     if fetch.is_empty() {
         return doc.to_string();
     }

@@ -20,11 +20,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 mod apply;
+mod payload;
 #[cfg(test)]
 pub(crate) mod tests;
 
+pub(crate) use apply::filter_variables;
 pub use apply::Applied;
 use apply::*;
+pub use payload::{payload_bytes, Payload};
 
 /// One replicated log entry: every command a partition's proposer gathered while
 /// Raft flushed its previous entry, stamped with the leader's clock.
@@ -303,6 +306,8 @@ pub struct Changes {
     pub jobs: BTreeSet<JobKey>,
     /// Request ids of [`Command::Once`] recorded or forgotten.
     pub requests: BTreeSet<RequestId>,
+    /// Payloads to store apart from their job's record, or to drop from there.
+    pub payloads: BTreeMap<JobKey, Option<Payload>>,
 }
 
 impl Changes {
@@ -312,11 +317,11 @@ impl Changes {
 
     /// How many jobs and records changed.
     pub fn len(&self) -> usize {
-        self.jobs.len() + self.requests.len()
+        self.jobs.len() + self.requests.len() + self.payloads.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.jobs.is_empty() && self.requests.is_empty()
+        self.jobs.is_empty() && self.requests.is_empty() && self.payloads.is_empty()
     }
 }
 
@@ -361,9 +366,12 @@ pub struct State {
     onces: BTreeMap<RequestId, OnceRecord>,
     /// (ts, id) of `onces`, oldest first: what to forget next.
     once_times: BTreeSet<(i64, RequestId)>,
-    /// What the jobs weigh in memory, by [`held_bytes`]: derived from `jobs`, so
-    /// equal on every replica.
+    /// What the jobs weigh in memory, by [`held_bytes`]: derived from `jobs`.
     held_bytes: u64,
+    /// Past this weight a new payload is kept in the store only.
+    payload_budget: u64,
+    /// Jobs whose payload is in the store only, with its size.
+    stored: BTreeMap<JobKey, u64>,
 }
 
 /// What a job's record and its index entries cost beyond its text, roughly.
@@ -393,12 +401,29 @@ impl State {
         Self::from_parts(partition, Counters::default(), Vec::new(), Vec::new())
     }
 
-    /// Rebuilds the state (and its indexes) from stored jobs, counters and records
-    /// of [`Command::Once`].
+    /// Rebuilds the state (and its indexes) from jobs held whole, counters and
+    /// records of [`Command::Once`].
     pub fn from_parts(
         partition: PartitionId,
         counters: Counters,
         jobs: impl IntoIterator<Item = Job>,
+        onces: impl IntoIterator<Item = (RequestId, OnceRecord)>,
+    ) -> Self {
+        State::from_stored(
+            partition,
+            counters,
+            jobs.into_iter().map(|j| (j, None)),
+            onces,
+        )
+    }
+
+    /// Rebuilds the state from stored jobs, each with the size of its payload when
+    /// that is stored apart (its record then holds none), counters and records of
+    /// [`Command::Once`].
+    pub fn from_stored(
+        partition: PartitionId,
+        counters: Counters,
+        jobs: impl IntoIterator<Item = (Job, Option<u64>)>,
         onces: impl IntoIterator<Item = (RequestId, OnceRecord)>,
     ) -> Self {
         let mut s = State {
@@ -411,10 +436,15 @@ impl State {
             onces: BTreeMap::new(),
             once_times: BTreeSet::new(),
             held_bytes: 0,
+            payload_budget: u64::MAX,
+            stored: BTreeMap::new(),
         };
-        for job in jobs {
+        for (job, stored) in jobs {
             s.held_bytes += held_bytes(&job);
             s.index(&job);
+            if let Some(size) = stored {
+                s.stored.insert(job.key, size);
+            }
             s.jobs.insert(job.key, job);
         }
         for (id, record) in onces {
@@ -601,6 +631,7 @@ impl State {
     }
 
     fn remove(&mut self, key: JobKey, changes: &mut Changes) {
+        self.drop_stored(key, changes);
         self.unindex(key);
         let before = self.weight(key);
         self.jobs.remove(&key);

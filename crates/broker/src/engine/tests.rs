@@ -3,8 +3,8 @@
 use super::*;
 use courier_proto::domain::DEFAULT_TENANT;
 
-const P: PartitionId = PartitionId(1);
-const T0: i64 = 1_000_000;
+pub(super) const P: PartitionId = PartitionId(1);
+pub(super) const T0: i64 = 1_000_000;
 /// The term of the entries the tests apply, unless they say otherwise.
 const TERM: u64 = 3;
 
@@ -19,7 +19,7 @@ pub(crate) fn new_job(t: &str) -> NewJob {
     }
 }
 
-fn props(t: &str, timeout_ms: i64) -> ActivationProps {
+pub(super) fn props(t: &str, timeout_ms: i64) -> ActivationProps {
     ActivationProps {
         job_type: t.to_string(),
         worker: "w1".to_string(),
@@ -44,11 +44,15 @@ fn available(t: &str) -> Effect {
 }
 
 /// Applies one client command at `ts`, returning reply, effects and changes.
-fn run(s: &mut State, ts: i64, c: Command) -> (Result<Reply, BrokerError>, Vec<Effect>, Changes) {
+pub(super) fn run(
+    s: &mut State,
+    ts: i64,
+    c: Command,
+) -> (Result<Reply, BrokerError>, Vec<Effect>, Changes) {
     run_log(s, ts, LogCommand::client(c))
 }
 
-fn run_log(
+pub(super) fn run_log(
     s: &mut State,
     ts: i64,
     c: LogCommand,
@@ -77,14 +81,14 @@ fn run_in(
     (reply, applied.effects, changes)
 }
 
-fn create(s: &mut State, t: &str) -> JobKey {
+pub(super) fn create(s: &mut State, t: &str) -> JobKey {
     match run(s, T0, Command::Create(vec![new_job(t)])).0 {
         Ok(Reply::Created(keys)) => keys[0],
         other => panic!("create failed: {other:?}"),
     }
 }
 
-fn activate(s: &mut State, ts: i64, t: &str, max: u32) -> Vec<ActivatedJob> {
+pub(super) fn activate(s: &mut State, ts: i64, t: &str, max: u32) -> Vec<ActivatedJob> {
     match run(
         s,
         ts,
@@ -104,6 +108,7 @@ fn keys(ks: &[JobKey]) -> Changes {
     Changes {
         jobs: ks.iter().copied().collect(),
         requests: Default::default(),
+        payloads: Default::default(),
     }
 }
 

@@ -46,6 +46,7 @@ use tracing::Instrument;
 
 mod handoff;
 mod leader;
+mod payloads;
 mod proposer;
 mod push;
 mod recovery;
@@ -56,6 +57,7 @@ mod timers;
 pub use handoff::ElectError;
 use handoff::Gate;
 use leader::*;
+use payloads::*;
 use proposer::*;
 use push::*;
 use recovery::*;
@@ -544,13 +546,28 @@ impl Partition {
         tenants: Option<&[String]>,
     ) -> Result<Reply, BrokerError> {
         self.check_leader()?;
-        let applied = self.shared.read();
-        applied
-            .state
-            .view(key)
-            .filter(|v| tenants.is_none_or(|t| t.contains(&v.tenant_id)))
-            .map(Reply::Job)
-            .ok_or_else(|| BrokerError::NotFound(format!("job with key '{key}' was not found")))
+        let (view, stored) = {
+            let applied = self.shared.read();
+            let view = applied
+                .state
+                .view(key)
+                .filter(|v| tenants.is_none_or(|t| t.contains(&v.tenant_id)));
+            (view, applied.state.stored_payload(key).is_some())
+        };
+        let mut view = view
+            .ok_or_else(|| BrokerError::NotFound(format!("job with key '{key}' was not found")))?;
+        if stored {
+            // Read after the state: a job that ended since has no payload left.
+            let payload = self.shared.payloads.get(key).map_err(|e| {
+                BrokerError::Unavailable(format!("cannot read the payload of job {key}: {e}"))
+            })?;
+            let payload = payload.ok_or_else(|| {
+                BrokerError::NotFound(format!("job with key '{key}' was not found"))
+            })?;
+            view.variables = payload.variables;
+            view.custom_headers = payload.custom_headers;
+        }
+        Ok(Reply::Job(view))
     }
 
     /// The term this replica leads in, if it leads now.
@@ -563,13 +580,14 @@ impl Partition {
         (m.state == ServerState::Leader).then(|| m.vote.leader_id().term)
     }
 
-    /// The jobs this replica holds, what they weigh in memory, and the request
-    /// ids it remembers.
-    pub fn held(&self) -> (usize, u64, usize) {
+    /// Jobs, what they weigh in memory, those whose payload is stored apart, and
+    /// remembered requests.
+    pub fn held(&self) -> (usize, u64, usize, usize) {
         let applied = self.shared.read();
         (
             applied.state.job_count(),
             applied.state.held_bytes(),
+            applied.state.stored_count(),
             applied.state.once_count(),
         )
     }

@@ -237,6 +237,7 @@ pub(super) async fn write(
             *held.entry(t.recipient.clone()).or_default() += u64::from(t.max);
         }
     }
+    let fetch: Vec<Option<Vec<String>>> = commands.iter().map(fetch_of).collect();
     metrics::BATCH_SIZE.observe(commands.len() as f64);
     let started = std::time::Instant::now();
     let count = commands.len();
@@ -260,7 +261,8 @@ pub(super) async fn write(
     };
     metrics::COMMIT_SECONDS.observe(started.elapsed().as_secs_f64());
     match result {
-        Ok(resp) => {
+        Ok(mut resp) => {
+            fill_stored(&p, &mut resp.data, &fetch);
             if resp.data.repeated > 0 {
                 metrics::REPEATS.inc_by(u64::from(resp.data.repeated));
                 tracing::info!(

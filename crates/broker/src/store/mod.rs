@@ -57,7 +57,9 @@ impl std::str::FromStr for Durability {
 /// a partition stores the requests it remembers (a keyspace, and a snapshot's
 /// tail). 4: log entries may hold `Command::ActivateWithin`. 5: a partition's
 /// snapshot is a data file named by an index file (`pN.snap`), where it was one file
-/// (`pN.snapshot`), converted when the partition opens.
+/// (`pN.snapshot`), converted when the partition opens; a job's payload may be
+/// stored apart (keyspace `pN.payloads`), its record then ending with the payload's
+/// size.
 pub const DATA_FORMAT: u32 = 5;
 
 /// The earlier formats this broker reads: each later one adds to them, or changes

@@ -4,10 +4,10 @@
 
 use super::durable::Durable;
 use super::{read_err, write_err, Db};
-use crate::engine::{Applied, Changes, Counters, Job, OnceRecord, State};
+use crate::engine::{Applied, Changes, Counters, Job, OnceRecord, Payload, State};
 use crate::raft::TypeConfig;
 use courier_proto::codec;
-use courier_proto::domain::{PartitionId, RequestId};
+use courier_proto::domain::{JobKey, PartitionId, RequestId};
 use fjall::Keyspace;
 use openraft::storage::{RaftStateMachine, Snapshot, SnapshotMeta};
 use openraft::{
@@ -22,7 +22,9 @@ use tokio::sync::Notify;
 
 use courier_proto::domain::NodeId;
 
+mod payloads;
 mod snapfile;
+pub use payloads::PayloadStore;
 use snapfile::SnapshotFiles;
 
 /// Room to decode the largest single item of a snapshot: a job of the largest size
@@ -46,6 +48,8 @@ pub struct AppliedState {
 /// The applied state, shared with the partition's leader-side tasks (timers, reads).
 pub struct SharedState {
     inner: RwLock<AppliedState>,
+    /// Payloads stored apart from their jobs, read when such a job is handed out.
+    pub payloads: PayloadStore,
     /// Woken after an apply that makes a deadline or a retry due before `timer_at`,
     /// so the timers re-read the earliest one.
     pub applied: Notify,
@@ -55,9 +59,10 @@ pub struct SharedState {
 }
 
 impl SharedState {
-    fn new(applied: AppliedState) -> SharedState {
+    fn new(applied: AppliedState, payloads: PayloadStore) -> SharedState {
         SharedState {
             inner: RwLock::new(applied),
+            payloads,
             applied: Notify::new(),
             timer_at: AtomicI64::new(i64::MAX),
         }
@@ -178,6 +183,7 @@ pub struct StateMachine {
     meta: Keyspace,
     /// Records of applied [`courier_proto::domain::Command::Once`]s by request id.
     requests: Keyspace,
+    payloads: PayloadStore,
     shared: Arc<SharedState>,
     snapshots: Arc<SnapshotFiles>,
     /// The file of the snapshot being received, while one is.
@@ -209,6 +215,10 @@ impl StateMachine {
         let requests = db
             .keyspace(&format!("p{}.requests", partition.0))
             .map_err(read_err)?;
+        let payloads = PayloadStore::new(
+            db.keyspace(&format!("p{}.payloads", partition.0))
+                .map_err(read_err)?,
+        );
         let stored = StoredMeta::read(|k| meta.get(k))?;
         let (last_applied, membership) = (stored.last_applied, stored.membership);
         let counters = match stored.counters {
@@ -219,7 +229,7 @@ impl StateMachine {
         let mut loaded = Vec::new();
         for g in jobs.iter() {
             let (_, v) = g.into_inner().map_err(read_err)?;
-            loaded.push(codec::decode::<Job>(&v).map_err(read_err)?);
+            loaded.push(payloads::read_record(&v)?);
         }
         let mut onces = Vec::new();
         for g in requests.iter() {
@@ -240,15 +250,26 @@ impl StateMachine {
             jobs,
             meta,
             requests,
-            shared: Arc::new(SharedState::new(AppliedState {
-                state: State::from_parts(partition, counters, loaded, onces),
-                last_applied,
-                membership,
-            })),
+            shared: Arc::new(SharedState::new(
+                AppliedState {
+                    state: State::from_stored(partition, counters, loaded, onces),
+                    last_applied,
+                    membership,
+                },
+                payloads.clone(),
+            )),
+            payloads,
             snapshots: Arc::new(snapshots),
             receiving: None,
             durable: None,
         })
+    }
+
+    /// Keeps new payloads in the store only once the partition's jobs weigh
+    /// `bytes` in memory.
+    pub fn with_payload_budget(self, bytes: u64) -> StateMachine {
+        self.shared.write().state.set_payload_budget(bytes);
+        self
     }
 
     /// The applied state, for the partition's leader-side tasks.
@@ -261,10 +282,24 @@ impl StateMachine {
     fn persist(&self, a: &AppliedState, changes: &Changes) -> Result<(), StorageError<NodeId>> {
         let mut batch = self.db.database().batch();
         for key in &changes.jobs {
-            let k = (key.0 as u64).to_be_bytes();
+            let k = payloads::key_bytes(*key);
             match a.state.job(*key) {
-                Some(job) => batch.insert(&self.jobs, k, codec::to_vec(job).map_err(write_err)?),
+                Some(job) => {
+                    let record = payloads::record(job, a.state.stored_payload(*key))?;
+                    batch.insert(&self.jobs, k, record)
+                }
                 None => batch.remove(&self.jobs, k),
+            }
+        }
+        for (key, payload) in &changes.payloads {
+            let k = payloads::key_bytes(*key);
+            match payload {
+                Some(p) => batch.insert(
+                    self.payloads.keyspace(),
+                    k,
+                    codec::to_vec(p).map_err(write_err)?,
+                ),
+                None => batch.remove(self.payloads.keyspace(), k),
             }
         }
         for id in &changes.requests {
@@ -276,6 +311,23 @@ impl StateMachine {
         }
         self.put_meta(&mut batch, a)?;
         batch.commit().map_err(write_err)
+    }
+
+    /// Job `key`'s stored payload: as written by an entry of this apply, or as
+    /// stored before. Written with the record that says it is stored, so always there.
+    fn stored_payload(
+        &self,
+        key: JobKey,
+        changes: &Changes,
+    ) -> Result<Payload, StorageError<NodeId>> {
+        if let Some(Some(p)) = changes.payloads.get(&key) {
+            return Ok(p.clone());
+        }
+        self.payloads.get(key)?.ok_or_else(|| {
+            read_err(std::io::Error::other(format!(
+                "job {key} has no stored payload"
+            )))
+        })
     }
 
     fn put_meta(
@@ -307,6 +359,22 @@ fn replace_all<'a, K: AsRef<[u8]>, V: serde::Serialize + 'a>(
     }
     for (k, v) in entries {
         batch.insert(ks, k.as_ref(), codec::to_vec(v).map_err(write_err)?);
+    }
+    Ok(())
+}
+
+/// Puts in `batch` the removal of every key of `ks` and the insertion of
+/// `entries` (key, encoded value).
+fn replace_raw<'a, K: AsRef<[u8]>>(
+    batch: &mut fjall::OwnedWriteBatch,
+    ks: &Keyspace,
+    entries: impl Iterator<Item = (K, &'a [u8])>,
+) -> Result<(), StorageError<NodeId>> {
+    for g in ks.iter() {
+        batch.remove(ks, g.key().map_err(read_err)?);
+    }
+    for (k, v) in entries {
+        batch.insert(ks, k.as_ref(), v);
     }
     Ok(())
 }
@@ -354,6 +422,10 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                     let reply = match entry.payload {
                         EntryPayload::Blank => Applied::default(),
                         EntryPayload::Normal(batch) => {
+                            for key in a.state.payloads_wanted(&batch) {
+                                let payload = self.stored_payload(key, &changes)?;
+                                a.state.hydrate(key, payload, &mut changes);
+                            }
                             a.state
                                 .apply_batch(entry.log_id.leader_id.term, &batch, &mut changes)
                         }
@@ -383,6 +455,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             jobs: self.jobs.clone(),
             meta: self.meta.clone(),
             requests: self.requests.clone(),
+            payloads: self.payloads.keyspace().clone(),
             snapshots: self.snapshots.clone(),
             fault: self.db.fault().clone(),
         }
@@ -427,14 +500,26 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 let partition = a.state.partition();
                 // Replace every stored job and the meta in one atomic batch.
                 let mut batch = self.db.database().batch();
-                let jobs = data
-                    .jobs
-                    .iter()
-                    .map(|j| ((j.key.0 as u64).to_be_bytes(), j));
-                replace_all(&mut batch, &self.jobs, jobs)?;
                 let onces = data.onces.iter().map(|(id, r)| (id.0.to_be_bytes(), r));
                 replace_all(&mut batch, &self.requests, onces)?;
-                a.state = State::from_parts(partition, data.counters, data.jobs, data.onces);
+                let mut state = State::from_parts(partition, data.counters, data.jobs, data.onces);
+                state.set_payload_budget(a.state.payload_budget());
+                let mut placed = Changes::new();
+                state.place_all(&mut placed);
+                let stored: Vec<(JobKey, Vec<u8>)> = state
+                    .jobs()
+                    .map(|j| Ok((j.key, payloads::record(j, state.stored_payload(j.key))?)))
+                    .collect::<Result<_, StorageError<NodeId>>>()?;
+                let records = stored
+                    .iter()
+                    .map(|(k, v)| (payloads::key_bytes(*k), v.as_slice()));
+                replace_raw(&mut batch, &self.jobs, records)?;
+                let apart = placed
+                    .payloads
+                    .iter()
+                    .filter_map(|(k, p)| Some((payloads::key_bytes(*k), p.as_ref()?)));
+                replace_all(&mut batch, self.payloads.keyspace(), apart)?;
+                a.state = state;
                 a.last_applied = meta.last_log_id;
                 a.membership = meta.last_membership.clone();
                 self.put_meta(&mut batch, &a)?;
@@ -513,6 +598,7 @@ pub struct SnapshotBuilder {
     jobs: Keyspace,
     meta: Keyspace,
     requests: Keyspace,
+    payloads: Keyspace,
     snapshots: Arc<SnapshotFiles>,
     fault: Arc<super::Fault>,
 }
@@ -526,7 +612,12 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             let view = self.view.take().ok_or_else(|| {
                 write_err(std::io::Error::other("a snapshot builder is used once"))
             })?;
-            let stored = [self.jobs.clone(), self.meta.clone(), self.requests.clone()];
+            let stored = [
+                self.jobs.clone(),
+                self.meta.clone(),
+                self.requests.clone(),
+                self.payloads.clone(),
+            ];
             let files = self.snapshots.clone();
             tokio::task::spawn_blocking(move || build(&view, &stored, &files))
                 .await
@@ -541,7 +632,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
 /// for openraft to send.
 fn build(
     view: &fjall::Snapshot,
-    [jobs, meta, requests]: &[Keyspace; 3],
+    [jobs, meta, requests, payloads]: &[Keyspace; 4],
     files: &SnapshotFiles,
 ) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
     use fjall::Readable;
@@ -553,7 +644,7 @@ fn build(
         None => codec::to_vec(&Counters::default()).map_err(write_err)?,
     };
     let path = files.new_data_path("part");
-    let written = write_data(&path, view, &counters, jobs, requests);
+    let written = write_data(&path, view, &counters, [jobs, requests, payloads]);
     let (job_count, once_count, bytes) = match written {
         Ok(w) => w,
         Err(e) => {
@@ -600,8 +691,7 @@ fn write_data(
     path: &Path,
     view: &fjall::Snapshot,
     counters: &[u8],
-    jobs: &Keyspace,
-    requests: &Keyspace,
+    [jobs, requests, payloads]: [&Keyspace; 3],
 ) -> Result<(u64, u64, u64), StorageError<NodeId>> {
     use fjall::Readable;
     let file = std::fs::File::create(path).map_err(write_err)?;
@@ -619,9 +709,7 @@ fn write_data(
     let put = |w: &mut Counting<_>, b: &[u8]| w.write_all(b).map_err(write_err);
     put(&mut w, counters)?;
     put(&mut w, &codec::to_vec(&job_count).map_err(write_err)?)?;
-    for g in view.iter(jobs) {
-        put(&mut w, &g.value().map_err(read_err)?)?;
-    }
+    payloads::whole_jobs(view, jobs, payloads, |b| put(&mut w, b))?;
     put(&mut w, &codec::to_vec(&once_count).map_err(write_err)?)?;
     for g in view.iter(requests) {
         let (k, v) = g.into_inner().map_err(read_err)?;

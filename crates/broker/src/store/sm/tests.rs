@@ -11,11 +11,16 @@ use openraft::{CommittedLeaderId, RaftSnapshotBuilder};
 #[test]
 fn timers_are_woken_only_for_something_due_sooner() {
     use futures::FutureExt;
-    let shared = SharedState::new(AppliedState {
-        state: State::new(PartitionId(1)),
-        last_applied: None,
-        membership: StoredMembership::default(),
-    });
+    let dir = tempfile::tempdir().unwrap();
+    let db = Db::open(dir.path(), Durability::Fsync).unwrap();
+    let shared = SharedState::new(
+        AppliedState {
+            state: State::new(PartitionId(1)),
+            last_applied: None,
+            membership: StoredMembership::default(),
+        },
+        PayloadStore::new(db.keyspace("p1.payloads").unwrap()),
+    );
     let woken = |next: Option<i64>| {
         let n = shared.applied.notified();
         tokio::pin!(n);
@@ -68,6 +73,15 @@ fn create_once(id: u128, jobs: usize) -> Command {
     }
 }
 
+/// A snapshot of `sm`'s applied state.
+async fn snapshot(sm: &mut StateMachine) -> Snapshot<TypeConfig> {
+    sm.get_snapshot_builder()
+        .await
+        .build_snapshot()
+        .await
+        .unwrap()
+}
+
 /// The bytes of a snapshot's data, from its start.
 async fn bytes(f: &mut tokio::fs::File) -> Vec<u8> {
     use tokio::io::{AsyncReadExt, AsyncSeekExt};
@@ -106,12 +120,7 @@ async fn remembered_requests_survive_restarts_and_travel_in_snapshots() {
     .unwrap();
     let remembered = onces(&sm);
     assert_eq!(remembered.len(), 2);
-    let snap = sm
-        .get_snapshot_builder()
-        .await
-        .build_snapshot()
-        .await
-        .unwrap();
+    let snap = snapshot(&mut sm).await;
     drop(sm);
     let mut sm = StateMachine::open(&db, PartitionId(1), snaps.clone()).unwrap();
     assert_eq!(onces(&sm), remembered, "read back on restart");
@@ -241,12 +250,7 @@ async fn snapshot_files_are_received_in_place_cleaned_up_and_converted() {
     let snaps = dir.path().join("snaps-a");
     let mut sm = StateMachine::open(&db, PartitionId(1), snaps.clone()).unwrap();
     sm.apply([create(1, 3)]).await.unwrap();
-    let mut snap = sm
-        .get_snapshot_builder()
-        .await
-        .build_snapshot()
-        .await
-        .unwrap();
+    let mut snap = snapshot(&mut sm).await;
     let built = bytes(&mut snap.snapshot).await;
 
     let other_db = Db::open(&dir.path().join("b"), Durability::Fsync).unwrap();
@@ -312,5 +316,112 @@ proptest::proptest! {
         bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512),
     ) {
         let _ = SnapshotData::decode(&bytes);
+    }
+}
+
+/// Payloads past the budget are stored apart: a fail that merges variables into
+/// one (in the same apply as its create) reads it back; a restart keeps them apart
+/// without loading them; a snapshot carries the jobs whole, and the replica that
+/// installs it stores apart what is past its own budget.
+#[tokio::test]
+async fn payloads_past_the_budget_are_stored_apart_read_back_and_carried_whole() {
+    use courier_proto::domain::ActivationProps;
+    let dir = tempfile::tempdir().unwrap();
+    let db = Db::open(&dir.path().join("a"), Durability::Fsync).unwrap();
+    let snaps = dir.path().join("snaps-a");
+    let big = |i: u32| NewJob {
+        variables: format!(r#"{{"i":{i},"pad":"{}"}}"#, "x".repeat(1000)),
+        custom_headers: r#"{"h":"v"}"#.into(),
+        ..job()
+    };
+    let k = |n: u64| JobKey::new(PartitionId(1), n);
+    let budget = 2_000;
+    let mut sm = StateMachine::open(&db, PartitionId(1), snaps.clone())
+        .unwrap()
+        .with_payload_budget(budget);
+    let t0 = 1_000_000;
+    let activate = Command::Activate {
+        props: ActivationProps {
+            job_type: "t".into(),
+            worker: "w".into(),
+            timeout_ms: 60_000,
+            fetch_variables: vec![],
+            tenant_ids: vec![DEFAULT_TENANT.into()],
+        },
+        max_jobs: 3,
+    };
+    let fail = Command::Fail {
+        key: k(3),
+        retries: 1,
+        error_message: "e".into(),
+        retry_backoff_ms: 60_000,
+        variables: Some(r#"{"more":true}"#.into()),
+    };
+    let out = sm
+        .apply([
+            entry(1, t0, Command::Create(vec![big(1), big(2), big(3)])),
+            entry(2, t0, activate),
+            entry(3, t0, fail),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(out[1].stored, [k(2), k(3)].into_iter().collect());
+    assert_eq!(out[2].replies, vec![Ok(Reply::Done)]);
+    let stored = |sm: &StateMachine, n: u64| sm.shared().payloads.get(k(n)).unwrap();
+    let merged = stored(&sm, 3).expect("job 3's payload stored");
+    assert!(
+        merged
+            .variables
+            .starts_with(r#"{"i":3,"more":true,"pad":"xx"#),
+        "{}",
+        merged.variables
+    );
+    assert_eq!(stored(&sm, 1), None);
+    {
+        let a = sm.shared();
+        let a = a.read();
+        assert_eq!(a.state.stored_count(), 2);
+        assert_eq!(a.state.job(k(3)).unwrap().variables, "");
+    }
+    let snap = snapshot(&mut sm).await;
+    drop(sm);
+
+    let sm = StateMachine::open(&db, PartitionId(1), snaps)
+        .unwrap()
+        .with_payload_budget(budget);
+    {
+        let a = sm.shared();
+        let a = a.read();
+        assert_eq!(a.state.stored_count(), 2, "kept apart over a restart");
+        assert_eq!(a.state.job(k(2)).unwrap().variables, "");
+        assert_eq!(a.state.job(k(1)).unwrap().variables, big(1).variables);
+    }
+    assert_eq!(stored(&sm, 2).unwrap().variables, big(2).variables);
+
+    for (name, budget, apart) in [("b", u64::MAX, 0), ("c", budget, 2)] {
+        let other_db = Db::open(&dir.path().join(name), Durability::Fsync).unwrap();
+        let mut other = StateMachine::open(
+            &other_db,
+            PartitionId(1),
+            dir.path().join(format!("snaps-{name}")),
+        )
+        .unwrap()
+        .with_payload_budget(budget);
+        other
+            .install_snapshot(&snap.meta, another(&snap.snapshot).await)
+            .await
+            .unwrap();
+        let a = other.shared();
+        let a = a.read();
+        assert_eq!(
+            a.state.stored_count(),
+            apart,
+            "installed with budget {budget}"
+        );
+        let whole = match a.state.stored_payload(k(3)) {
+            Some(_) => stored(&other, 3).unwrap().variables,
+            None => a.state.job(k(3)).unwrap().variables.clone(),
+        };
+        assert_eq!(whole, merged.variables);
     }
 }

@@ -1,13 +1,14 @@
 //! The broker's Prometheus metrics, in the default registry. Statics, so several
 //! brokers in one process (`courier dev`) share them.
 
-use crate::partition::Partition;
-use courier_proto::sync::lock;
 use prometheus::core::Collector;
 use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
 };
-use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::sync::LazyLock;
+
+mod positions;
+pub use positions::POSITIONS;
 
 /// Registers `m`; a second registration (impossible with these statics) only logs.
 fn register<T: Collector + Clone + 'static>(m: T) -> T {
@@ -413,6 +414,15 @@ pub static BACKFILLED: LazyLock<IntCounter> = LazyLock::new(|| {
     )))
 });
 
+/// Jobs handed out whose payload the leader read from the store (it was kept
+/// apart, past the partition's payload budget).
+pub static STORED_PAYLOADS_READ: LazyLock<IntCounter> = LazyLock::new(|| {
+    register(built(IntCounter::new(
+        "courier_broker_stored_payloads_read_total",
+        "Jobs handed out whose payload the leader read from disk, as it was kept apart past --payload-memory-budget",
+    )))
+});
+
 /// Creates, activations, fails and thrown errors sent again (a gateway's resend
 /// after a failover lost the first answer) that a partition answered as it did the
 /// first attempt, instead of carrying them out again.
@@ -549,6 +559,7 @@ pub fn init() {
         &TRY_NEXT,
         &BACKFILLED,
         &REPEATS,
+        &STORED_PAYLOADS_READ,
         &NOTICE_CATCH_UPS,
         &SIZE_SNAPSHOTS,
     ] {
@@ -578,127 +589,6 @@ pub fn init() {
         }
     }
 }
-
-/// Every replica's last log index and last applied index, read from Raft's
-/// metrics when `/metrics` is scraped rather than at every entry.
-#[derive(Clone)]
-pub struct Positions {
-    log: IntGaugeVec,
-    applied: IntGaugeVec,
-    jobs: IntGaugeVec,
-    job_bytes: IntGaugeVec,
-    job_bytes_bound: IntGaugeVec,
-    remembered: IntGaugeVec,
-    /// The replicas, with their labels; one that is gone is dropped at the next scrape.
-    replicas: Arc<Mutex<Vec<Tracked>>>,
-}
-
-/// A replica and its labels: node, partition.
-type Tracked = (Weak<Partition>, [String; 2]);
-
-impl Positions {
-    /// Reports `p`'s log positions for as long as it lives.
-    pub fn track(&self, p: &Arc<Partition>) {
-        let labels = [p.node_id.to_string(), p.id.0.to_string()];
-        lock(&self.replicas).push((Arc::downgrade(p), labels));
-    }
-}
-
-impl Collector for Positions {
-    fn desc(&self) -> Vec<&prometheus::core::Desc> {
-        let mut d = self.log.desc();
-        d.extend(self.applied.desc());
-        d.extend(self.jobs.desc());
-        d.extend(self.job_bytes.desc());
-        d.extend(self.job_bytes_bound.desc());
-        d.extend(self.remembered.desc());
-        d
-    }
-
-    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
-        let mut replicas = lock(&self.replicas);
-        replicas.retain(|(replica, labels)| {
-            let labels = [labels[0].as_str(), labels[1].as_str()];
-            let Some(p) = replica.upgrade() else {
-                for g in self.gauges() {
-                    let _ = g.remove_label_values(&labels);
-                }
-                return false;
-            };
-            let (jobs, bytes, remembered) = p.held();
-            let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-            let size = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-            self.jobs.with_label_values(&labels).set(count(jobs));
-            self.job_bytes.with_label_values(&labels).set(size(bytes));
-            self.job_bytes_bound
-                .with_label_values(&labels)
-                .set(size(p.max_bytes()));
-            self.remembered
-                .with_label_values(&labels)
-                .set(count(remembered));
-            let m = p.raft.metrics();
-            let m = m.borrow();
-            let index = |i: u64| i64::try_from(i).unwrap_or(i64::MAX);
-            self.log
-                .with_label_values(&labels)
-                .set(index(m.last_log_index.unwrap_or(0)));
-            self.applied
-                .with_label_values(&labels)
-                .set(index(m.last_applied.map_or(0, |l| l.index)));
-            true
-        });
-        self.gauges().iter().flat_map(|g| g.collect()).collect()
-    }
-}
-
-impl Positions {
-    fn gauges(&self) -> [&IntGaugeVec; 6] {
-        [
-            &self.log,
-            &self.applied,
-            &self.jobs,
-            &self.job_bytes,
-            &self.job_bytes_bound,
-            &self.remembered,
-        ]
-    }
-}
-
-pub static POSITIONS: LazyLock<Positions> = LazyLock::new(|| {
-    let gauge = |name, help| {
-        built(IntGaugeVec::new(
-            Opts::new(name, help),
-            &["node", "partition"],
-        ))
-    };
-    register(Positions {
-        log: gauge(
-            "courier_broker_partition_log_index",
-            "The last index in this replica's Raft log of the partition",
-        ),
-        applied: gauge(
-            "courier_broker_partition_applied_index",
-            "The last log index this replica of the partition has applied: a follower behind its leader's shows how far it lags",
-        ),
-        jobs: gauge(
-            "courier_broker_partition_jobs",
-            "Jobs this replica of the partition holds, in any state (completed and canceled ones are gone)",
-        ),
-        job_bytes: gauge(
-            "courier_broker_partition_job_bytes",
-            "What the jobs of this replica of the partition weigh in memory: their text and 256 bytes each",
-        ),
-        job_bytes_bound: gauge(
-            "courier_broker_partition_job_bytes_bound",
-            "The most the jobs of a partition may weigh (--max-partition-bytes): past it creates are refused with RESOURCE_EXHAUSTED",
-        ),
-        remembered: gauge(
-            "courier_broker_partition_remembered_requests",
-            "Request ids of creates, activations, fails and thrown errors this replica remembers (2 minutes each), so that one sent again is not carried out twice",
-        ),
-        replicas: Arc::default(),
-    })
-});
 
 #[cfg(test)]
 mod tests {
