@@ -112,6 +112,11 @@ impl Admission {
         self.take(|a| &a.job_streams)
     }
 
+    /// StreamActivatedJobs clients held now: one atomic load, cheap on every answer.
+    pub fn job_streams_held(&self) -> usize {
+        self.job_streams.held.load(Ordering::Relaxed)
+    }
+
     /// A place for one more parked ActivateJobs request, held until dropped.
     pub fn parked_poll(self: &Arc<Self>) -> Result<Place, GatewayError> {
         self.take(|a| &a.parked_polls)

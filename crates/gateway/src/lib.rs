@@ -88,7 +88,13 @@ pub struct GatewayConfig {
     pub auth: Option<AuthConfig>,
     /// Admission bounds: connections, calls per connection, job streams, parked polls.
     pub bounds: admission::Bounds,
+    /// Age past which a job stream is ended, less up to a fifth at random, for its
+    /// client to reopen (perhaps on another gateway); `None`: never (default 10 min).
+    pub stream_max_age: Option<Duration>,
 }
+
+/// Default of [`GatewayConfig::stream_max_age`].
+pub const DEFAULT_STREAM_MAX_AGE: Duration = Duration::from_secs(600);
 
 /// The client port's certificate and key, PEM files read again when they change.
 #[derive(Clone, Debug)]
@@ -127,6 +133,7 @@ impl Default for GatewayConfig {
             cluster_tls: None,
             auth: None,
             bounds: admission::Bounds::default(),
+            stream_max_age: Some(DEFAULT_STREAM_MAX_AGE),
         }
     }
 }
@@ -260,7 +267,8 @@ pub async fn serve_with(
             requests: requests.clone(),
             stop: stop.clone(),
         },
-        admission,
+        admission.clone(),
+        config.stream_max_age,
     );
     // Zeebe's clients (the Node.js SDK always) compress requests with gzip; answers
     // stay uncompressed, where compression would only add latency.
@@ -319,8 +327,8 @@ pub async fn serve_with(
         .http2_keepalive_interval(Some(CLIENT_KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(CLIENT_KEEPALIVE_TIMEOUT))
         .max_concurrent_streams(Some(config.bounds.max_calls_per_connection))
-        .add_service(gateway)
-        .add_service(jobs)
+        .add_service(service::ReportLoad::new(gateway, admission.clone()))
+        .add_service(service::ReportLoad::new(jobs, admission))
         .add_service(health)
         .serve_with_incoming_shutdown(incoming, clients.clone().cancelled_owned())
         .await;

@@ -39,6 +39,7 @@ struct Metrics {
     connections: IntGauge,
     bounds: IntGaugeVec,
     admission_refused: IntCounterVec,
+    streams_ended: IntCounterVec,
 }
 
 static METRICS: LazyLock<Option<Metrics>> = LazyLock::new(|| match build() {
@@ -214,7 +215,18 @@ fn build() -> prometheus::Result<Metrics> {
             ),
             &["bound"],
         )?,
+        streams_ended: IntCounterVec::new(
+            Opts::new(
+                "courier_gateway_streams_ended_total",
+                "Job streams the gateway ended for its clients to reopen, by reason (max_age, \
+                 shutdown)",
+            ),
+            &["reason"],
+        )?,
     };
+    for reason in [STREAM_END_MAX_AGE, STREAM_END_SHUTDOWN] {
+        m.streams_ended.with_label_values(&[reason]);
+    }
     for bound in crate::admission::Bound::ALL {
         m.admission_refused.with_label_values(&[bound.label()]);
     }
@@ -239,7 +251,7 @@ fn build() -> prometheus::Result<Metrics> {
         m.push_rejected.with_label_values(&[reason]);
     }
     let registry = prometheus::default_registry();
-    let collectors: [Box<dyn prometheus::core::Collector>; 28] = [
+    let collectors: [Box<dyn prometheus::core::Collector>; 29] = [
         Box::new(m.requests.clone()),
         Box::new(m.request_duration.clone()),
         Box::new(m.long_poll_parked.clone()),
@@ -268,6 +280,7 @@ fn build() -> prometheus::Result<Metrics> {
         Box::new(m.connections.clone()),
         Box::new(m.bounds.clone()),
         Box::new(m.admission_refused.clone()),
+        Box::new(m.streams_ended.clone()),
     ];
     for c in collectors {
         if let Err(e) = registry.register(c) {
@@ -405,6 +418,18 @@ pub fn push_try_next() {
 pub fn job_yielded(reason: &'static str) {
     if let Some(m) = METRICS.as_ref() {
         m.jobs_yielded.with_label_values(&[reason]).inc();
+    }
+}
+
+/// The label of a stream ended at its maximum age.
+pub const STREAM_END_MAX_AGE: &str = "max_age";
+/// The label of a stream ended because the gateway shuts down.
+pub const STREAM_END_SHUTDOWN: &str = "shutdown";
+
+/// Counts a job stream ended for its client to reopen, by `reason`.
+pub fn stream_ended(reason: &'static str) {
+    if let Some(m) = METRICS.as_ref() {
+        m.streams_ended.with_label_values(&[reason]).inc();
     }
 }
 

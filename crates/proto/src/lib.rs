@@ -7,6 +7,7 @@
 //! - [`validate`]: checks on client input that map to INVALID_ARGUMENT.
 //! - [`codec`]: the one place that turns domain values into cluster payloads and back.
 //! - [`mux`]: request/reply calls multiplexed on one long-lived gRPC stream.
+//! - [`headers`]: metadata headers between Courier's client and gateway.
 //! - [`backoff`]: full-jitter exponential back-off, for every retry loop.
 //! - [`sync`]: the one way a lock is taken.
 //! - [`tls`]: TLS on the client port and mutual TLS inside the cluster.
@@ -19,6 +20,7 @@ pub mod backoff;
 pub mod codec;
 pub mod convert;
 pub mod domain;
+pub mod headers;
 pub mod mux;
 pub mod sync;
 pub mod tls;

@@ -33,6 +33,10 @@ use tonic::{Response, Status};
 use tracing::Instrument;
 
 mod jobs;
+mod lifetime;
+#[cfg(test)]
+mod lifetime_tests;
+mod load;
 #[cfg(test)]
 mod tests;
 mod zeebe;
@@ -40,6 +44,7 @@ mod zeebe;
 #[cfg(test)]
 use jobs::create_batch;
 pub use jobs::JobsService;
+pub use load::ReportLoad;
 use zeebe::to_i32;
 pub use zeebe::{
     zeebe_topology, ActivateJobsStream, GatewayService, JobApiOnly, JobStream, JOB_API,
@@ -208,6 +213,8 @@ pub struct Shared {
     requests: TaskTracker,
     /// Places for job streams and parked polls.
     admission: Arc<Admission>,
+    /// When a job stream is ended for its client to reopen (jittered); `None`: never.
+    stream_max_age: Option<Duration>,
 }
 
 impl Shared {
@@ -223,6 +230,7 @@ impl Shared {
         gateway_id: &str,
         phases: Phases,
         admission: Arc<Admission>,
+        stream_max_age: Option<Duration>,
     ) -> Arc<Self> {
         Arc::new(Shared {
             router: Router::new(
@@ -243,6 +251,7 @@ impl Shared {
             clients: phases.clients,
             requests: phases.requests,
             admission,
+            stream_max_age,
         })
     }
 

@@ -142,18 +142,17 @@ impl Gateway for GatewayService {
             "stream client joined"
         );
         // Tonic drops the stream when the client goes away, and with it the client
-        // (see `ClientStream`); shutdown ends it cleanly, then counts it as OK.
-        let end = futures::stream::once(async move {
-            observer.finish(tonic::Code::Ok);
-            drop(place);
-            None
-        });
-        let jobs = client
-            .map(|job| Some(Ok(job)))
-            .take_until(self.0.clients.clone().cancelled_owned())
-            .chain(end)
-            .filter_map(std::future::ready);
-        Ok(Response::new(Box::pin(jobs)))
+        // (see `ClientStream`); shutdown and the maximum age end it (see `lifetime`).
+        let life = lifetime::Life::of(self.0.stream_max_age, request.metadata());
+        let mut response = Response::new(lifetime::job_stream(
+            client,
+            &life,
+            self.0.clients.clone(),
+            place,
+            observer,
+        ));
+        life.announce(response.metadata_mut());
+        Ok(response)
     }
 
     async fn complete_job(

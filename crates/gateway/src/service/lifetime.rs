@@ -1,0 +1,191 @@
+//! A job stream's life at the gateway. It ends at a jittered maximum age, and when
+//! the gateway shuts down, with UNAVAILABLE and a [`STREAM_END_HEADER`] trailer
+//! saying why: clients reopen at once (elsewhere, when this gateway is leaving),
+//! and streams spread again over the gateways there are now. Jobs it buffered go
+//! back to the brokers; those its worker took are declared held on the reopen. A
+//! client that asks gets heartbeats, so it notices a stream that went silent.
+
+use super::*;
+use crate::admission::Place;
+use crate::streams::ClientStream;
+use courier_proto::headers::{
+    HEARTBEAT_HEADER, HEARTBEAT_KEY, STREAM_END_HEADER, STREAM_END_MAX_AGE, STREAM_END_SHUTDOWN,
+};
+
+/// The shortest and longest heartbeat interval a client may ask for.
+const HEARTBEAT_BOUNDS: (Duration, Duration) =
+    (Duration::from_millis(100), Duration::from_secs(60));
+/// The share of the maximum age taken off at random, so streams opened together
+/// (after a gateway restart) do not all end together.
+const AGE_JITTER: f64 = 0.2;
+
+/// What a stream's life is bounded by.
+pub(super) struct Life {
+    /// When the gateway ends it; `None`: never (until shutdown).
+    pub max_age: Option<Duration>,
+    /// Heartbeat interval the client asked for.
+    pub heartbeat: Option<Duration>,
+}
+
+impl Life {
+    /// The life of a stream opened now under `max_age`, with the heartbeat its
+    /// request asks for.
+    pub fn of(max_age: Option<Duration>, metadata: &tonic::metadata::MetadataMap) -> Life {
+        Life {
+            max_age: max_age.map(jittered),
+            heartbeat: stated_heartbeat(metadata),
+        }
+    }
+
+    /// The response's initial metadata: the heartbeat interval kept, if any.
+    pub fn announce(&self, md: &mut tonic::metadata::MetadataMap) {
+        if let Some(h) = self.heartbeat {
+            md.insert(HEARTBEAT_HEADER, (h.as_millis() as u64).into());
+        }
+    }
+}
+
+/// `max_age` less up to [`AGE_JITTER`] of it, at random.
+fn jittered(max_age: Duration) -> Duration {
+    max_age.mul_f64(1.0 - AGE_JITTER * rand::random::<f64>())
+}
+
+/// The heartbeat interval a request asks for, within [`HEARTBEAT_BOUNDS`]; an
+/// invalid header asks for none.
+fn stated_heartbeat(metadata: &tonic::metadata::MetadataMap) -> Option<Duration> {
+    let ms = metadata
+        .get(HEARTBEAT_HEADER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(Duration::from_millis(ms).clamp(HEARTBEAT_BOUNDS.0, HEARTBEAT_BOUNDS.1))
+}
+
+/// Why a stream ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    /// Its aggregated stream removed the client.
+    Removed,
+    MaxAge,
+    Shutdown,
+}
+
+impl End {
+    fn status(self) -> Option<Status> {
+        let (value, message) = match self {
+            End::Removed => return None,
+            End::MaxAge => (
+                STREAM_END_MAX_AGE,
+                "the job stream reached its maximum age on this gateway; reopen it",
+            ),
+            End::Shutdown => (
+                STREAM_END_SHUTDOWN,
+                "this gateway is shutting down; reopen the job stream on another gateway",
+            ),
+        };
+        let mut md = tonic::metadata::MetadataMap::new();
+        md.insert(
+            STREAM_END_HEADER,
+            tonic::metadata::MetadataValue::from_static(value),
+        );
+        Some(Status::with_metadata(tonic::Code::Unavailable, message, md))
+    }
+}
+
+/// One stream while it lives.
+struct Live {
+    client: Option<ClientStream>,
+    stop: CancellationToken,
+    expiry: Option<Pin<Box<tokio::time::Sleep>>>,
+    heartbeat: Option<tokio::time::Interval>,
+    place: Option<Place>,
+    observer: Option<RequestObserver>,
+}
+
+/// The response stream of `client`: its jobs, heartbeats while it has none, and
+/// the end `life` and `stop` (the gateway's shutdown) set.
+pub(super) fn job_stream(
+    client: ClientStream,
+    life: &Life,
+    stop: CancellationToken,
+    place: Place,
+    observer: RequestObserver,
+) -> JobStream {
+    let beats = life.heartbeat.map(|every| {
+        let mut i = tokio::time::interval_at(Instant::now() + every, every);
+        i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        i
+    });
+    let live = Live {
+        client: Some(client),
+        stop,
+        expiry: life.max_age.map(|age| Box::pin(tokio::time::sleep(age))),
+        heartbeat: beats,
+        place: Some(place),
+        observer: Some(observer),
+    };
+    Box::pin(futures::stream::unfold(live, |mut l| async move {
+        let client = l.client.as_mut()?;
+        let event = tokio::select! {
+            biased;
+            () = l.stop.cancelled() => Err(End::Shutdown),
+            () = until(&mut l.expiry) => Err(End::MaxAge),
+            job = client.next() => job.ok_or(End::Removed),
+            () = tick(&mut l.heartbeat) => Ok(heartbeat()),
+        };
+        match event {
+            Ok(job) => {
+                if job.key != HEARTBEAT_KEY {
+                    if let Some(h) = &mut l.heartbeat {
+                        h.reset();
+                    }
+                }
+                Some((Ok(job), l))
+            }
+            Err(end) => {
+                // Dropping the client gives back what it buffered; what it took is
+                // on the wire ahead of the status, and its worker declares it held.
+                l.client = None;
+                l.place = None;
+                if let Some(o) = l.observer.take() {
+                    // An end the gateway chose is a normal end of the call.
+                    o.finish(tonic::Code::Ok);
+                }
+                match end {
+                    End::MaxAge => metrics::stream_ended(metrics::STREAM_END_MAX_AGE),
+                    End::Shutdown => metrics::stream_ended(metrics::STREAM_END_SHUTDOWN),
+                    End::Removed => {}
+                }
+                end.status().map(|s| (Err(s), l))
+            }
+        }
+    }))
+}
+
+/// Resolves when `expiry` passes; never without one.
+async fn until(expiry: &mut Option<Pin<Box<tokio::time::Sleep>>>) {
+    match expiry {
+        Some(sleep) => sleep.as_mut().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves at the next heartbeat; never without heartbeats.
+async fn tick(heartbeat: &mut Option<tokio::time::Interval>) {
+    match heartbeat {
+        Some(i) => {
+            i.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// A heartbeat: an `ActivatedJob` with [`HEARTBEAT_KEY`] and nothing else.
+fn heartbeat() -> gw::ActivatedJob {
+    gw::ActivatedJob {
+        key: HEARTBEAT_KEY,
+        ..Default::default()
+    }
+}
