@@ -2,12 +2,13 @@
 //! retries.
 
 use crate::error::ClientError;
-use crate::gateways::{Gateways, Picked};
+use crate::gateways::{Gateways, Picked, StreamGateway};
 use crate::request::{millis, IntoJsonText, StreamJobs, JOBS_HELD_HEADER, MAX_JOBS_ACTIVE_HEADER};
 use crate::retry::{with_retries, Backoff, DEFAULT_BACKOFF, DEFAULT_RETRY_BUDGET};
 use crate::security::{AuthChannel, Security};
 use courier_proto::courier_v1 as v1;
 use courier_proto::gateway_protocol as gw;
+use courier_proto::headers::HEARTBEAT_HEADER;
 use std::future::Future;
 use std::time::Duration;
 use tonic::transport::Channel;
@@ -45,6 +46,14 @@ pub struct Client {
     backoff: Backoff,
     /// How long one call keeps retrying, counted from its first attempt.
     retry_budget: Duration,
+}
+
+/// A job stream as a worker holds it: its jobs, the gateway it is open on, and the
+/// heartbeat interval that gateway keeps on it, if any.
+pub(crate) struct OpenStream {
+    pub jobs: tonic::Streaming<gw::ActivatedJob>,
+    pub gateway: StreamGateway,
+    pub heartbeat: Option<Duration>,
 }
 
 impl Client {
@@ -198,33 +207,62 @@ impl Client {
         &self,
         request: StreamJobs,
     ) -> Result<tonic::Streaming<gw::ActivatedJob>, ClientError> {
+        Ok(self.open_stream(request, None).await?.jobs)
+    }
+
+    /// Opens a job stream where streams are fewest, or again on `from`, whose
+    /// stream ended at its age, unless it holds more than its share (see
+    /// [`Gateways::pick_for_stream`]).
+    pub(crate) async fn open_stream(
+        &self,
+        request: StreamJobs,
+        from: Option<&StreamGateway>,
+    ) -> Result<OpenStream, ClientError> {
         let credit = request.credit();
+        let heartbeat = request.heartbeat_ms();
         // Digits, colons and commas only: always a valid header value.
         let held = request
             .held_header()
             .and_then(|h| tonic::metadata::MetadataValue::try_from(h).ok());
         let message = gw::StreamActivatedJobsRequest::from(request);
-        let stream = with_retries(self.backoff, self.retry_budget, || {
-            let picked = self.gateways.pick();
+        let opened = with_retries(self.backoff, self.retry_budget, || {
+            let picked = self.gateways.pick_for_stream(from);
             let mut request = tonic::Request::new(message.clone());
+            let md = request.metadata_mut();
             if let Some(n) = credit {
-                request
-                    .metadata_mut()
-                    .insert(MAX_JOBS_ACTIVE_HEADER, n.into());
+                md.insert(MAX_JOBS_ACTIVE_HEADER, n.into());
             }
             if let Some(held) = &held {
-                request
-                    .metadata_mut()
-                    .insert(JOBS_HELD_HEADER, held.clone());
+                md.insert(JOBS_HELD_HEADER, held.clone());
+            }
+            if let Some(ms) = heartbeat {
+                md.insert(HEARTBEAT_HEADER, ms.into());
             }
             async move {
                 let opened = picked.gateway().stream_activated_jobs(request).await;
                 picked.record(&opened, false);
-                opened
+                if matches!(&opened, Err(s) if s.code() == tonic::Code::ResourceExhausted) {
+                    // At its bound of streams: another gateway may have room.
+                    picked.pass_over();
+                }
+                opened.map(|r| (r, picked.stream_opened()))
             }
         })
         .await?;
-        Ok(stream.into_inner())
+        let (response, gateway) = opened;
+        // The interval the gateway keeps; a gateway that does not echo one sends none.
+        let heartbeat = response
+            .metadata()
+            .get(HEARTBEAT_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|&ms| ms > 0)
+            .map(Duration::from_millis);
+        Ok(OpenStream {
+            jobs: response.into_inner(),
+            gateway,
+            heartbeat,
+        })
     }
 
     /// Completes an activated job. `variables` is a JSON object, or `""` for none.

@@ -10,6 +10,7 @@ use crate::error::ClientError;
 use crate::security::{AuthChannel, Security, TokenSource};
 use courier_proto::courier_v1::jobs_client::JobsClient;
 use courier_proto::gateway_protocol::gateway_client::GatewayClient;
+use courier_proto::headers::GATEWAY_STREAMS_HEADER;
 use rand::Rng;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -46,6 +47,9 @@ pub(crate) struct Member {
     sampled_at: AtomicU64,
     /// When it was last found unreachable, in ms since the pool began, plus one; 0: not.
     unreachable_at: AtomicU64,
+    /// Job streams it reported holding in its last answer, plus those this client
+    /// opened on it since; 0 until it answers.
+    streams: AtomicU64,
 }
 
 impl Member {
@@ -60,7 +64,24 @@ impl Member {
             latency_us: AtomicU64::new(0),
             sampled_at: AtomicU64::new(0),
             unreachable_at: AtomicU64::new(0),
+            streams: AtomicU64::new(0),
         }
+    }
+
+    /// Takes note of the stream count an answer of this gateway reports.
+    fn learn(&self, metadata: &tonic::metadata::MetadataMap) {
+        let reported = metadata
+            .get(GATEWAY_STREAMS_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if let Some(n) = reported {
+            self.streams.store(n, Ordering::Relaxed);
+        }
+    }
+
+    fn pass_over(&self, pool: &Pool) {
+        self.unreachable_at
+            .store(pool.now_ms() + 1, Ordering::Relaxed);
     }
 
     fn passed_over(&self, now_ms: u64) -> bool {
@@ -130,16 +151,21 @@ impl Picked {
     }
 
     /// Records how the call went: a gateway that could not be reached is passed over
-    /// for a while; an answer clears that and, when `timed` (a unary call, not a long
-    /// poll or a stream), feeds the latency average.
-    pub(crate) fn record<T>(&self, outcome: &Result<T, Status>, timed: bool) {
+    /// for a while; an answer clears that, tells how many streams the gateway holds
+    /// and, when `timed` (a unary call, not a long poll or a stream), feeds the
+    /// latency average.
+    pub(crate) fn record<T: Answer>(&self, outcome: &Result<T, Status>, timed: bool) {
         match outcome {
-            Err(s) if unreachable(s) => {
-                let at = self.pool.now_ms() + 1;
-                self.member.unreachable_at.store(at, Ordering::Relaxed);
-            }
+            Err(s) if unreachable(s) => self.member.pass_over(&self.pool),
             _ => {
                 self.member.unreachable_at.store(0, Ordering::Relaxed);
+                let metadata = match outcome {
+                    Ok(answer) => answer.metadata(),
+                    Err(status) => Some(status.metadata()),
+                };
+                if let Some(m) = metadata {
+                    self.member.learn(m);
+                }
                 if timed {
                     let took = self.started.elapsed().as_micros() as u64;
                     let old = self.member.latency_us.load(Ordering::Relaxed);
@@ -149,6 +175,65 @@ impl Picked {
                     self.member.sampled_at.store(now, Ordering::Relaxed);
                 }
             }
+        }
+    }
+
+    /// The gateway a stream was opened on, for as long as the stream lives; counts
+    /// the stream on it at once, before its next answer says so.
+    pub(crate) fn stream_opened(&self) -> StreamGateway {
+        self.member.streams.fetch_add(1, Ordering::Relaxed);
+        StreamGateway {
+            member: self.member.clone(),
+            pool: self.pool.clone(),
+        }
+    }
+
+    /// Passes this gateway over for a while: it refused for reasons of its own
+    /// (shutting down, or at a bound).
+    pub(crate) fn pass_over(&self) {
+        self.member.pass_over(&self.pool);
+    }
+}
+
+/// What a call answered, as [`Picked::record`] reads it.
+pub(crate) trait Answer {
+    fn metadata(&self) -> Option<&tonic::metadata::MetadataMap>;
+}
+
+impl<T> Answer for tonic::Response<T> {
+    fn metadata(&self) -> Option<&tonic::metadata::MetadataMap> {
+        Some(tonic::Response::metadata(self))
+    }
+}
+
+impl Answer for () {
+    fn metadata(&self) -> Option<&tonic::metadata::MetadataMap> {
+        None
+    }
+}
+
+/// The gateway a job stream is open on.
+pub(crate) struct StreamGateway {
+    member: Arc<Member>,
+    pool: Arc<Pool>,
+}
+
+impl StreamGateway {
+    /// The address dialled.
+    pub(crate) fn addr(&self) -> &str {
+        &self.member.addr
+    }
+
+    /// Passes the gateway over for a while: the stream stalled on it, or it said
+    /// it is leaving.
+    pub(crate) fn pass_over(&self) {
+        self.member.pass_over(&self.pool);
+    }
+
+    /// Takes note of how the stream broke: a gateway that is gone is passed over.
+    pub(crate) fn broke(&self, status: &Status) {
+        if unreachable(status) {
+            self.pass_over();
         }
     }
 }
@@ -241,6 +326,57 @@ impl Gateways {
         self.pool.members().iter().map(|m| m.addr.clone()).collect()
     }
 
+    /// The gateway for a job stream. Clients spread streams without a coordinator:
+    /// each gateway's share is judged by the stream counts its answers report.
+    /// Reopening a stream that `from` ended at its age, a client stays unless that
+    /// gateway holds more than a fair share, and then leaves with probability
+    /// excess / count, so that together clients move about the excess and no more
+    /// (all leaving at once would only pile onto the next gateway). A stream that
+    /// moves, or is new, goes to a gateway drawn with weight 1 + its deficit below
+    /// the fair share: the lightest are likeliest, yet clients acting on the same
+    /// counts do not all land on one.
+    pub(crate) fn pick_for_stream(&self, from: Option<&StreamGateway>) -> Picked {
+        let members = self.pool.members();
+        let now = self.pool.now_ms();
+        let mut live: Vec<&Arc<Member>> = members.iter().filter(|m| !m.passed_over(now)).collect();
+        if live.is_empty() {
+            return self.pick();
+        }
+        let count = |m: &Member| m.streams.load(Ordering::Relaxed) as f64;
+        let fair = live.iter().map(|m| count(m)).sum::<f64>() / live.len() as f64;
+        let mut rng = rand::rng();
+        if let Some(from) = from.filter(|f| live.iter().any(|m| Arc::ptr_eq(m, &f.member))) {
+            let c = count(&from.member);
+            if live.len() == 1 || c <= fair + 1.0 || rng.random::<f64>() >= (c - fair) / c {
+                return self.picked(from.member.clone());
+            }
+            live.retain(|m| !Arc::ptr_eq(m, &from.member));
+        }
+        let weights: Vec<f64> = live
+            .iter()
+            .map(|m| (fair - count(m)).max(0.0) + 1.0)
+            .collect();
+        let mut draw = rng.random::<f64>() * weights.iter().sum::<f64>();
+        let mut chosen = live[live.len() - 1];
+        for (m, w) in live.iter().zip(&weights) {
+            if draw < *w {
+                chosen = m;
+                break;
+            }
+            draw -= w;
+        }
+        self.picked(chosen.clone())
+    }
+
+    fn picked(&self, member: Arc<Member>) -> Picked {
+        member.outstanding.fetch_add(1, Ordering::Relaxed);
+        Picked {
+            member,
+            pool: self.pool.clone(),
+            started: Instant::now(),
+        }
+    }
+
     /// The gateway for the next call: the better of two drawn at random, passing
     /// over those found unreachable a moment ago while any other is not.
     pub(crate) fn pick(&self) -> Picked {
@@ -278,12 +414,7 @@ impl Gateways {
                 }
             }
         };
-        member.outstanding.fetch_add(1, Ordering::Relaxed);
-        Picked {
-            member,
-            pool: self.pool.clone(),
-            started: Instant::now(),
-        }
+        self.picked(member)
     }
 }
 

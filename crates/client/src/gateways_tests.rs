@@ -157,3 +157,88 @@ async fn a_slow_answer_fades() {
     answered(&g, "127.0.0.1:2", 1).await;
     assert_eq!(g.pick().member.addr, "127.0.0.1:1");
 }
+
+/// A pool of three whose gateways report `counts` streams.
+fn reporting(counts: [u64; 3]) -> Gateways {
+    let g = pool_of(&["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]);
+    for (m, c) in g.pool.members().iter().zip(counts) {
+        m.streams.store(c, Ordering::Relaxed);
+    }
+    g
+}
+
+fn stream_on(g: &Gateways, i: usize) -> StreamGateway {
+    StreamGateway {
+        member: g.pool.members()[i].clone(),
+        pool: g.pool.clone(),
+    }
+}
+
+/// Where `n` streams would go: the count per gateway index.
+fn placed(g: &Gateways, from: Option<usize>, n: usize) -> [usize; 3] {
+    let from = from.map(|i| stream_on(g, i));
+    let members = g.pool.members();
+    let mut seen = [0; 3];
+    for _ in 0..n {
+        let p = g.pick_for_stream(from.as_ref());
+        let i = members
+            .iter()
+            .position(|m| Arc::ptr_eq(m, &p.member))
+            .unwrap();
+        seen[i] += 1;
+    }
+    seen
+}
+
+#[tokio::test]
+async fn an_answer_tells_how_many_streams_its_gateway_holds() {
+    let g = pool_of(&["127.0.0.1:1"]);
+    let p = g.pick();
+    let mut answer = tonic::Response::new(());
+    answer
+        .metadata_mut()
+        .insert(GATEWAY_STREAMS_HEADER, 17.into());
+    p.record(&Ok(answer), true);
+    assert_eq!(p.member.streams.load(Ordering::Relaxed), 17);
+    // A stream opened there counts at once.
+    let _s = p.stream_opened();
+    assert_eq!(p.member.streams.load(Ordering::Relaxed), 18);
+}
+
+#[tokio::test]
+async fn new_streams_go_mostly_to_the_lightest_gateways_but_not_all_to_one() {
+    let seen = placed(&reporting([30, 0, 0]), None, 3000);
+    assert!(seen[0] < 300, "{seen:?}");
+    for light in [seen[1], seen[2]] {
+        assert!((1100..=1600).contains(&light), "{seen:?}");
+    }
+    let seen = placed(&reporting([10, 10, 10]), None, 3000);
+    assert!(seen.iter().all(|n| (850..=1150).contains(n)), "{seen:?}");
+}
+
+#[tokio::test]
+async fn a_stream_at_its_age_leaves_a_gateway_with_the_share_of_its_excess() {
+    // 30 of 30 streams on the first: two thirds of them should leave, no more.
+    let seen = placed(&reporting([30, 0, 0]), Some(0), 3000);
+    assert!((850..=1150).contains(&seen[0]), "a third stays: {seen:?}");
+    assert!(seen[1].abs_diff(seen[2]) < 250, "the rest split: {seen:?}");
+    // At its share, or one over: it stays.
+    assert_eq!(placed(&reporting([10, 10, 10]), Some(0), 500), [500, 0, 0]);
+    assert_eq!(placed(&reporting([11, 10, 9]), Some(0), 500), [500, 0, 0]);
+}
+
+#[tokio::test]
+async fn a_stream_leaving_a_gateway_that_is_passed_over_goes_elsewhere() {
+    let g = reporting([10, 10, 10]);
+    stream_on(&g, 0).pass_over();
+    let seen = placed(&g, Some(0), 500);
+    assert_eq!(seen[0], 0, "{seen:?}");
+    let status = refused().await;
+    let g = reporting([10, 10, 10]);
+    stream_on(&g, 1).broke(&status);
+    assert_eq!(placed(&g, None, 500)[1], 0);
+    // A status the gateway answered with is no reason to pass it over.
+    let g = reporting([10, 10, 10]);
+    stream_on(&g, 1).broke(&Status::internal("oops"));
+    assert!(placed(&g, None, 500)[1] > 0);
+}

@@ -214,6 +214,8 @@ pub struct StreamJobs {
     /// (key, deadline in epoch ms) of jobs held already; sent as
     /// [`JOBS_HELD_HEADER`].
     held: Vec<(i64, i64)>,
+    /// Heartbeat interval asked of the gateway.
+    heartbeat: Option<Duration>,
 }
 
 impl StreamJobs {
@@ -227,6 +229,7 @@ impl StreamJobs {
             tenant_ids: Vec::new(),
             max_jobs_active: None,
             held: Vec::new(),
+            heartbeat: None,
         }
     }
 
@@ -268,6 +271,21 @@ impl StreamJobs {
     pub fn jobs_held(mut self, held: impl IntoIterator<Item = (i64, i64)>) -> Self {
         self.held = held.into_iter().take(MAX_DECLARED_HELD).collect();
         self
+    }
+
+    /// Asks a Courier gateway for a heartbeat whenever the stream carried nothing
+    /// for `every` (100 ms to 60 s): an `ActivatedJob` with key 0
+    /// ([`courier_proto::headers::HEARTBEAT_KEY`]) and nothing else, which is no
+    /// job. A [`JobWorker`](crate::JobWorker) asks for one to see a stream that went
+    /// silent (a proxy that stopped forwarding) and reopens it elsewhere.
+    pub fn heartbeat(mut self, every: Duration) -> Self {
+        self.heartbeat = Some(every);
+        self
+    }
+
+    /// The heartbeat interval asked for, in ms.
+    pub(crate) fn heartbeat_ms(&self) -> Option<u64> {
+        self.heartbeat.map(|d| d.as_millis() as u64)
     }
 
     /// The stated credit, if any.

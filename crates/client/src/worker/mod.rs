@@ -150,6 +150,10 @@ type Reported = Arc<dyn Fn(i64, &JobOutcome, Result<(), &ClientError>) + Send + 
 type HandlerFuture = Pin<Box<dyn Future<Output = Result<JobOutcome, String>> + Send>>;
 type Handler = Arc<dyn Fn(ActivatedJob) -> HandlerFuture + Send + Sync>;
 
+/// The default heartbeat interval asked for on the stream: a stall is seen within
+/// three of them.
+pub const STREAM_HEARTBEAT: Duration = Duration::from_secs(2);
+
 /// What the worker asks for and how it stops.
 #[derive(Clone, Debug)]
 struct Config {
@@ -161,6 +165,8 @@ struct Config {
     tenant_ids: Vec<String>,
     streaming: bool,
     grace: Duration,
+    /// Heartbeat interval asked of the gateway on the stream; `None`: none.
+    heartbeat: Option<Duration>,
 }
 
 /// Builds a [`JobWorker`]: [`JobWorker::builder`], options, then
@@ -209,6 +215,15 @@ impl JobWorkerBuilder {
     /// long-polls.
     pub fn streaming(mut self, streaming: bool) -> Self {
         self.config.streaming = streaming;
+        self
+    }
+
+    /// How often the gateway is asked to show an idle stream is alive (default
+    /// 2 s; `None`: never). A stream that carried nothing, heartbeats included, for
+    /// three intervals is taken for stalled (a proxy between that stopped
+    /// forwarding) and reopened on another gateway.
+    pub fn stream_heartbeat(mut self, every: Option<Duration>) -> Self {
+        self.config.heartbeat = every;
         self
     }
 
@@ -379,6 +394,7 @@ impl JobWorker {
                 tenant_ids: Vec::new(),
                 streaming: true,
                 grace: Duration::from_secs(10),
+                heartbeat: Some(STREAM_HEARTBEAT),
             },
             handler,
             reported: None,

@@ -6,6 +6,9 @@ use super::metrics::JobPath;
 use super::pacing::{Ramp, PACE};
 use super::Ctx;
 use crate::request::{ActivateJobs, StreamJobs};
+use courier_proto::headers::{
+    HEARTBEAT_KEY, STREAM_END_HEADER, STREAM_END_MAX_AGE, STREAM_END_SHUTDOWN,
+};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -28,38 +31,88 @@ pub(super) enum StreamState {
 /// (it answers at once): the poller paces itself instead of spinning.
 const LONG_POLL_FLOOR: Duration = Duration::from_secs(1);
 
-/// Keeps a job stream open until shutdown, reopening it with jittered back-off.
+/// How a stream ended.
+enum Ended {
+    /// The gateway ended it on purpose (its maximum age, or its shutdown): reopen at
+    /// once, without back-off.
+    Moved {
+        leaving: bool,
+    },
+    /// Nothing, not even a heartbeat, came for three heartbeat intervals: a proxy
+    /// between may have stopped forwarding while keeping the connection up.
+    Stalled(Duration),
+    /// The gateway closed it without saying why.
+    Closed,
+    Broke(tonic::Status),
+}
+
+impl Ended {
+    fn of(status: tonic::Status) -> Ended {
+        match status
+            .metadata()
+            .get(STREAM_END_HEADER)
+            .and_then(|v| v.to_str().ok())
+        {
+            Some(STREAM_END_MAX_AGE) => Ended::Moved { leaving: false },
+            Some(STREAM_END_SHUTDOWN) => Ended::Moved { leaving: true },
+            _ => Ended::Broke(status),
+        }
+    }
+}
+
+/// Heartbeat intervals without a message after which a stream counts as stalled.
+const STALL_AFTER_BEATS: u32 = 3;
+
+/// Keeps a job stream open until shutdown, reopening it with jittered back-off;
+/// at once when the gateway ended it on purpose, or when it stalled (then on
+/// another gateway).
 pub(super) async fn stream_loop(ctx: Arc<Ctx>, state: watch::Sender<StreamState>) {
     let c = &ctx.config;
-    let request = StreamJobs::new(&c.job_type)
+    let mut request = StreamJobs::new(&c.job_type)
         .worker(&c.name)
         .timeout(c.timeout)
         .fetch_variables(c.fetch_variables.clone())
         .tenant_ids(c.tenant_ids.clone())
         .max_jobs_active(c.max_jobs_active);
+    if let Some(every) = c.heartbeat {
+        request = request.heartbeat(every);
+    }
     let mut ramp = Ramp::default();
     // Only the first failure of a run of failures is worth a warning.
     let mut quiet = false;
+    // The gateway whose stream just ended at its age: the reopen may stay there.
+    let mut aged = None;
     loop {
+        let from = aged.take();
         let opened = tokio::select! {
             // Jobs still held from an earlier stream (or polled) are declared, so
             // the gateway counts them against this one's credit.
-            r = ctx.once.stream_activated_jobs(request.clone().jobs_held(ctx.jobs_held())) => r,
+            r = ctx.once.open_stream(request.clone().jobs_held(ctx.jobs_held()), from.as_ref()) => r,
             () = ctx.stop.cancelled() => return,
         };
-        match opened {
-            Ok(mut jobs) => {
+        let again = match opened {
+            Ok(mut open) => {
                 ctx.metrics.stream_opened();
                 state.send_replace(StreamState::Open);
-                tracing::debug!(job_type = %c.job_type, "job stream open");
+                tracing::debug!(job_type = %c.job_type, gateway = open.gateway.addr(), "job stream open");
                 let opened_at = Instant::now();
+                // A gateway that keeps no heartbeat cannot be told from a stall.
+                let stall_after = open.heartbeat.map(|h| h * STALL_AFTER_BEATS);
                 let ended = loop {
+                    let silence = async {
+                        match stall_after {
+                            Some(d) => tokio::time::sleep(d).await,
+                            None => std::future::pending().await,
+                        }
+                    };
                     tokio::select! {
-                        m = jobs.message() => match m {
+                        m = open.jobs.message() => match m {
+                            Ok(Some(job)) if job.key == HEARTBEAT_KEY => {}
                             Ok(Some(job)) => ctx.receive(job, JobPath::Push),
-                            Ok(None) => break None,
-                            Err(status) => break Some(status),
+                            Ok(None) => break Ended::Closed,
+                            Err(status) => break Ended::of(status),
                         },
+                        () = silence => break Ended::Stalled(stall_after.unwrap_or_default()),
                         () = ctx.stop.cancelled() => {
                             // Dropping the stream cancels the call: the gateway
                             // stops pushing and yields what it had buffered for us.
@@ -68,22 +121,58 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, state: watch::Sender<StreamState>
                         }
                     }
                 };
-                ctx.metrics.stream_failed();
-                state.send_replace(StreamState::Down);
-                match ended {
-                    None => {
-                        tracing::info!("the gateway closed the job stream; polling and reopening")
-                    }
-                    Some(s) => tracing::warn!(
-                        code = ?s.code(),
-                        message = s.message(),
-                        "the job stream broke; polling and reopening"
-                    ),
-                }
-                quiet = true;
                 // A stream that lived a while was a healthy one: start the ramp over.
                 if opened_at.elapsed() >= PACE.cap {
                     ramp.reset();
+                }
+                match ended {
+                    Ended::Moved { leaving } => {
+                        ctx.metrics.stream_closed();
+                        tracing::debug!(
+                            gateway = open.gateway.addr(),
+                            leaving,
+                            "the gateway ended the job stream on purpose; reopening at once"
+                        );
+                        if leaving {
+                            open.gateway.pass_over();
+                        } else {
+                            aged = Some(open.gateway);
+                        }
+                        // The poller stays beside the stream: it is back in a moment.
+                        true
+                    }
+                    Ended::Stalled(after) => {
+                        ctx.metrics.stream_failed();
+                        state.send_replace(StreamState::Down);
+                        open.gateway.pass_over();
+                        tracing::warn!(
+                            gateway = open.gateway.addr(),
+                            silent_for = ?after,
+                            "the job stream went silent; reopening it on another gateway"
+                        );
+                        quiet = true;
+                        true
+                    }
+                    Ended::Closed | Ended::Broke(_) => {
+                        ctx.metrics.stream_failed();
+                        state.send_replace(StreamState::Down);
+                        match ended {
+                            Ended::Broke(s) => {
+                                open.gateway.broke(&s);
+                                tracing::warn!(
+                                    code = ?s.code(),
+                                    message = s.message(),
+                                    gateway = open.gateway.addr(),
+                                    "the job stream broke; polling and reopening"
+                                )
+                            }
+                            _ => tracing::info!(
+                                "the gateway closed the job stream; polling and reopening"
+                            ),
+                        }
+                        quiet = true;
+                        false
+                    }
                 }
             }
             Err(e) => {
@@ -99,7 +188,11 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, state: watch::Sender<StreamState>
                     tracing::warn!(error = %e, "cannot open the job stream; polling meanwhile");
                 }
                 quiet = true;
+                false
             }
+        };
+        if again {
+            continue;
         }
         let delay = ramp.full_jitter(&mut rand::rng());
         ramp.grow();
