@@ -26,6 +26,7 @@ macro_rules! report {
 }
 
 mod client_cmds;
+mod dev;
 mod security;
 mod servers;
 mod worker_cmd;
@@ -63,7 +64,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run a whole cluster (brokers and a gateway) in this process.
-    Dev(servers::DevArgs),
+    Dev(dev::DevArgs),
     /// Run one broker of a multi-process cluster.
     Broker(servers::BrokerArgs),
     /// Run a gateway in front of a cluster's brokers.
@@ -115,7 +116,7 @@ fn main() -> std::process::ExitCode {
     }
     let result = runtime.block_on(async move {
         match cli.cmd {
-            Cmd::Dev(a) => servers::dev(a).await,
+            Cmd::Dev(a) => dev::dev(a).await,
             Cmd::Broker(a) => servers::broker(a).await,
             Cmd::Gateway(a) => servers::gateway(a).await,
             Cmd::Job { conn, cmd } => client_cmds::job(conn, cmd).await,

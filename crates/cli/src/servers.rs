@@ -11,55 +11,20 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-#[derive(clap::Args)]
-pub struct DevArgs {
-    /// Brokers to run in this process.
-    #[arg(long, default_value_t = 1)]
-    brokers: u64,
-    /// Partitions of the cluster.
-    #[arg(long, default_value_t = 2)]
-    partitions: u32,
-    /// Replicas per partition (default: the number of brokers, at most 3).
-    #[arg(long)]
-    replication_factor: Option<u32>,
-    /// Where the brokers keep their data (one folder per broker).
-    #[arg(long, default_value = "./courier-data")]
-    data_dir: PathBuf,
-    /// Where the gateway listens for clients.
-    #[arg(long, default_value = "127.0.0.1:26500")]
-    gateway_addr: String,
-    /// Where Prometheus metrics are served (`/metrics`); "off" to disable.
-    #[arg(long, default_value = "127.0.0.1:9600")]
-    metrics_addr: String,
-    /// fsync (every append flushed before it counts) or replicated.
-    #[arg(long, default_value = "fsync")]
-    durability: Durability,
-    #[command(flatten)]
-    lost_gateway: LostGateway,
-    #[command(flatten)]
-    memory: Memory,
-    #[command(flatten)]
-    client_tls: crate::security::ClientPortTlsArgs,
-    #[command(flatten)]
-    auth: crate::security::AuthArgs,
-    #[command(flatten)]
-    pub runtime: DevRuntime,
-}
-
 /// What becomes of the jobs handed out through a gateway that is gone.
 #[derive(clap::Args)]
-struct LostGateway {
+pub(crate) struct LostGateway {
     /// How long a gateway may be gone before the jobs handed out through it
     /// (pushed, or answered to its polls) run again elsewhere: their results could
     /// not come back through it, but a worker still running one may then run it a
     /// second time. "off": they wait for their activation timeouts, as in Zeebe.
     #[arg(long, default_value = "10s", value_parser = parse_grace)]
-    lost_gateway_grace: Grace,
+    pub(crate) lost_gateway_grace: Grace,
 }
 
 /// What a partition may hold in memory.
 #[derive(clap::Args)]
-struct Memory {
+pub(crate) struct Memory {
     /// Most bytes the jobs of one partition replica may weigh in memory: their
     /// variables, headers and other text, and 256 bytes each. Past it, creates on
     /// that partition are refused with RESOURCE_EXHAUSTED until jobs end.
@@ -74,7 +39,7 @@ struct Memory {
 }
 
 impl Memory {
-    fn config(&self) -> courier_broker::config::Memory {
+    pub(crate) fn config(&self) -> courier_broker::config::Memory {
         courier_broker::config::Memory {
             payload_budget: self.payload_memory_budget,
             max_partition_bytes: self.max_partition_bytes,
@@ -84,9 +49,9 @@ impl Memory {
 
 /// A duration, or none ("off").
 #[derive(Clone, Debug)]
-struct Grace(Option<Duration>);
+pub(crate) struct Grace(pub(crate) Option<Duration>);
 
-fn parse_grace(s: &str) -> Result<Grace, String> {
+pub(crate) fn parse_grace(s: &str) -> Result<Grace, String> {
     if s.trim() == "off" {
         return Ok(Grace(None));
     }
@@ -105,26 +70,6 @@ pub struct ServerRuntime {
 impl ServerRuntime {
     pub fn worker_threads(&self) -> Option<usize> {
         self.worker_threads.map(usize::from)
-    }
-}
-
-/// How `courier dev` sizes its runtime. One thread unless told otherwise: the whole
-/// cluster runs in one process, so a job's every hop (producer's call, gateway,
-/// broker, push) is a task waking another, and on one thread none of them waits for
-/// a parked thread to be woken. `benchmarks/dev-threads.sh` measures it against one
-/// thread per CPU (see benchmarks/RESULTS.md).
-#[derive(clap::Args)]
-pub struct DevRuntime {
-    /// Threads that run the cluster's tasks (fsyncs and other blocking work keep
-    /// their own threads).
-    #[arg(long, env = "COURIER_WORKER_THREADS", default_value_t = 1,
-          value_parser = clap::value_parser!(u16).range(1..))]
-    worker_threads: u16,
-}
-
-impl DevRuntime {
-    pub fn worker_threads(&self) -> usize {
-        usize::from(self.worker_threads)
     }
 }
 
@@ -220,6 +165,8 @@ pub struct GatewayArgs {
     #[command(flatten)]
     bounds: GatewayBounds,
     #[command(flatten)]
+    stream_life: StreamLife,
+    #[command(flatten)]
     client_tls: crate::security::ClientPortTlsArgs,
     #[command(flatten)]
     cluster_tls: crate::security::ClusterTlsArgs,
@@ -227,6 +174,18 @@ pub struct GatewayArgs {
     auth: crate::security::AuthArgs,
     #[command(flatten)]
     pub runtime: ServerRuntime,
+}
+
+/// How long a gateway keeps a job stream.
+#[derive(clap::Args)]
+pub(crate) struct StreamLife {
+    /// Age at which a job stream is ended (less up to a fifth at random) with a
+    /// status its worker reopens on at once, perhaps on another gateway: workers
+    /// spread over the gateways there are now, and a stream never outlives the
+    /// proxies and load balancers between them. "off": streams live until their
+    /// worker or the gateway leaves.
+    #[arg(long, default_value = "10m", value_parser = parse_grace)]
+    pub(crate) stream_max_age: Grace,
 }
 
 /// The gateway's bounds. Past one, a connection is closed at once and a call is
@@ -271,7 +230,7 @@ impl GatewayBounds {
 /// one of each call that could not reach a peer ([`QuietUnreachablePeers`]).
 /// rustls warns of every client that names an IP address in its TLS SNI (the
 /// Node.js and Java clients do), which it ignores as it should.
-const SERVER_LOG: &str = "info,openraft=error,rustls=error";
+pub(crate) const SERVER_LOG: &str = "info,openraft=error,rustls=error";
 
 /// Logs to stderr: `default_filter`, or what `RUST_LOG` asks for.
 pub fn init_tracing(default_filter: &str) {
@@ -341,7 +300,7 @@ impl tracing::field::Visit for Mentions {
 }
 
 /// A token cancelled on Ctrl-C or SIGTERM.
-fn shutdown_on_signal() -> CancellationToken {
+pub(crate) fn shutdown_on_signal() -> CancellationToken {
     let token = CancellationToken::new();
     let t = token.clone();
     tokio::spawn(async move {
@@ -370,20 +329,20 @@ fn shutdown_on_signal() -> CancellationToken {
     token
 }
 
-async fn bind(addr: &str) -> anyhow::Result<TcpListener> {
+pub(crate) async fn bind(addr: &str) -> anyhow::Result<TcpListener> {
     TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))
 }
 
 /// The worker threads of the runtime this process runs on.
-fn runtime_workers() -> usize {
+pub(crate) fn runtime_workers() -> usize {
     tokio::runtime::Handle::current().metrics().num_workers()
 }
 
 /// Serves the default Prometheus registry at `/metrics` until `shutdown`, with
 /// the runtime's worker threads as `courier_runtime_worker_threads`.
-async fn serve_metrics(addr: &str, shutdown: CancellationToken) -> anyhow::Result<()> {
+pub(crate) async fn serve_metrics(addr: &str, shutdown: CancellationToken) -> anyhow::Result<()> {
     let listener = bind(addr).await?;
     let workers = prometheus::IntGauge::new(
         "courier_runtime_worker_threads",
@@ -415,96 +374,8 @@ async fn serve_metrics(addr: &str, shutdown: CancellationToken) -> anyhow::Resul
     Ok(())
 }
 
-pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
-    init_tracing(SERVER_LOG);
-    if a.brokers < 1 {
-        bail!("--brokers must be at least 1");
-    }
-    // The brokers speak mutual TLS with a CA of this run's own, so they are never
-    // open, even on loopback.
-    let cluster_tls = crate::security::dev_cluster_tls().context("cluster TLS")?;
-    let shutdown = shutdown_on_signal();
-    let rf = a.replication_factor.unwrap_or(a.brokers.min(3) as u32);
-    // Brokers listen on free loopback ports; peers find each other through the
-    // static configuration, so the ports may differ from one run to the next.
-    let mut listeners = Vec::new();
-    let mut brokers = BTreeMap::new();
-    for id in 1..=a.brokers {
-        let l = bind("127.0.0.1:0").await?;
-        brokers.insert(id, l.local_addr()?.to_string());
-        listeners.push((id, l));
-    }
-    let gateway_listener = bind(&a.gateway_addr).await?;
-    if a.metrics_addr != "off" {
-        serve_metrics(&a.metrics_addr, shutdown.clone()).await?;
-    }
-    let configs: Vec<(BrokerConfig, _)> = listeners
-        .into_iter()
-        .map(|(id, listener)| {
-            let config = BrokerConfig {
-                node_id: id,
-                brokers: brokers.clone(),
-                partitions: a.partitions,
-                replication_factor: rf,
-                data_dir: a.data_dir.join(format!("broker-{id}")),
-                durability: a.durability,
-                raft: RaftTuning::default(),
-                lost_gateway_grace: a.lost_gateway.lost_gateway_grace.0,
-                // Every broker of dev stops at once: there is no one to hand to.
-                hand_off_leadership: false,
-                rebalance_after: Some(courier_broker::config::DEFAULT_REBALANCE_AFTER),
-                cluster_tls: Some(cluster_tls.clone()),
-                memory: a.memory.config(),
-            };
-            (config, listener)
-        })
-        .collect();
-    // Every broker's directory is checked before any starts: one that refuses
-    // must not leave the others' directories marked with the shape it refused.
-    for (config, _) in &configs {
-        courier_broker::store::compare_shape(&config.data_dir, &config.shape())
-            .map_err(|e| anyhow::anyhow!("broker {}: {e}", config.node_id))?;
-    }
-    let mut tasks = tokio::task::JoinSet::new();
-    for (config, listener) in configs {
-        let id = config.node_id;
-        let s = shutdown.clone();
-        tasks.spawn(async move {
-            courier_broker::run(config, listener, s)
-                .await
-                .with_context(|| format!("broker {id}"))
-        });
-    }
-    let gw_config = courier_gateway::GatewayConfig {
-        brokers: brokers.values().cloned().collect(),
-        tls: a.client_tls.config(),
-        cluster_tls: Some(cluster_tls),
-        auth: a.auth.config(),
-        ..Default::default()
-    };
-    let s = shutdown.clone();
-    tasks.spawn(async move {
-        courier_gateway::serve(gw_config, gateway_listener, s)
-            .await
-            .context("gateway")
-    });
-    eprintln!(
-        "courier dev: {} broker(s), {} partition(s), replication factor {rf}, durability {:?}\n  gateway  {} ({})\n  auth     {}\n  brokers  mutual TLS with a CA of this run, held in memory\n  metrics  {}\n  data     {}\n  threads  {} (--worker-threads)\nPress Ctrl-C to stop.",
-        a.brokers,
-        a.partitions,
-        a.durability,
-        a.gateway_addr,
-        if a.client_tls.config().is_some() { "TLS" } else { "plaintext" },
-        a.auth.describe(),
-        if a.metrics_addr == "off" { "off".to_string() } else { format!("http://{}/metrics", a.metrics_addr) },
-        a.data_dir.display(),
-        runtime_workers(),
-    );
-    wait_all(tasks, shutdown).await
-}
-
 /// Waits for every task; the first failure stops the others.
-async fn wait_all(
+pub(crate) async fn wait_all(
     mut tasks: tokio::task::JoinSet<anyhow::Result<()>>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
@@ -652,6 +523,7 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
         max_inflight_jobs: a.bounds.max_inflight_jobs,
         max_inflight_bytes: a.bounds.max_inflight_bytes,
         bounds: a.bounds.bounds(),
+        stream_max_age: a.stream_life.stream_max_age.0,
         tls: a.client_tls.config(),
         cluster_tls,
         auth: a.auth.config(),
