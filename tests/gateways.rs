@@ -9,15 +9,9 @@ use std::time::{Duration, Instant};
 
 /// Requests each gateway has answered so far.
 async fn answered(cluster: &Cluster) -> Vec<f64> {
-    let mut per = Vec::new();
-    for i in 0..cluster.gateway_addrs.len() {
-        per.push(
-            cluster
-                .gateway_metric(i, "courier_gateway_requests_total")
-                .await,
-        );
-    }
-    per
+    cluster
+        .gateway_metric_each("courier_gateway_requests_total")
+        .await
 }
 
 /// Creates `n` jobs from `tasks` concurrent tasks; every one must be acknowledged.

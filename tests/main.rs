@@ -16,6 +16,7 @@ mod node_sdk;
 mod push;
 mod pyzeebe;
 mod security;
+mod spread;
 mod storage;
 mod worker;
 mod zbctl;

@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 pub mod disk;
+pub mod proxy;
 pub mod secure;
 
 use courier_client::Client;
@@ -87,6 +88,8 @@ pub struct ClusterOpts {
     pub max_partition_bytes: Option<u64>,
     /// `--payload-memory-budget` of every broker (None: its default).
     pub payload_memory_budget: Option<u64>,
+    /// `--stream-max-age` of every gateway (None: its default).
+    pub stream_max_age: Option<&'static str>,
 }
 
 impl Default for ClusterOpts {
@@ -108,6 +111,7 @@ impl Default for ClusterOpts {
             snapshot_every_bytes: None,
             max_partition_bytes: None,
             payload_memory_budget: None,
+            stream_max_age: None,
         }
     }
 }
@@ -131,6 +135,11 @@ pub struct Proc {
 }
 
 impl Proc {
+    /// A process not started yet (as if killed).
+    pub fn not_started(log: PathBuf) -> Proc {
+        Proc { child: None, log }
+    }
+
     /// Starts `courier ARGS`, its stdout and stderr appended to `log`.
     pub fn spawn(args: &[String], log: PathBuf) -> Proc {
         let out = std::fs::OpenOptions::new()
@@ -374,6 +383,9 @@ impl Cluster {
         if self.opts.gateway_no_push {
             args.push("--no-push".into());
         }
+        if let Some(age) = self.opts.stream_max_age {
+            args.extend(["--stream-max-age".into(), age.into()]);
+        }
         if let Some(s) = &self.opts.secure {
             args.extend(s.cluster_args("gateway"));
             args.extend(s.gateway_args());
@@ -390,12 +402,21 @@ impl Cluster {
 
     /// Starts one more gateway; returns its index.
     pub fn add_gateway(&mut self) -> usize {
+        let i = self.reserve_gateway();
+        self.start_gateway(i);
+        i
+    }
+
+    /// Addresses for one more gateway, not started (see [`Self::start_gateway`]);
+    /// returns its index.
+    pub fn reserve_gateway(&mut self) -> usize {
         self.gateway_addrs
             .push(format!("127.0.0.1:{}", free_port()));
         self.gateway_metrics
             .push(format!("127.0.0.1:{}", free_port()));
         let i = self.gateway_addrs.len() - 1;
-        self.start_gateway(i);
+        let log = self.dir.path().join(format!("gateway-{i}.log"));
+        self.gateways.push(Proc::not_started(log));
         i
     }
 
@@ -413,6 +434,15 @@ impl Cluster {
     /// The sum over all label sets of a gateway's metric, 0 if absent.
     pub async fn gateway_metric(&self, i: usize, name: &str) -> f64 {
         metric(&self.gateway_metrics[i], name).await
+    }
+
+    /// A metric of every gateway, in order; 0 for a gateway that is down.
+    pub async fn gateway_metric_each(&self, name: &str) -> Vec<f64> {
+        let mut per = Vec::new();
+        for addr in &self.gateway_metrics {
+            per.push(metric(addr, name).await);
+        }
+        per
     }
 
     /// Jobs the first gateway handed out by push and by polling, in that order.
