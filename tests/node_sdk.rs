@@ -82,7 +82,13 @@ fn start_node_worker(
 async fn node_sdk_stream_worker_completes_500_jobs_pushed_by_courier() {
     let _g = serial().await;
     require_node_and_sdk();
-    let cluster = Cluster::start(ClusterOpts::default()).await;
+    // The SDK never reopens a stream, so the gateway must not end it for its age.
+    let max_age = Duration::from_secs(1);
+    let cluster = Cluster::start(ClusterOpts {
+        stream_max_age: Some("1s"),
+        ..ClusterOpts::default()
+    })
+    .await;
     let c = cluster.client();
     // Declared after the cluster, so dropped (killed) before it.
     // The script's own deadline, within the test's 60 s.
@@ -109,9 +115,19 @@ async fn node_sdk_stream_worker_completes_500_jobs_pushed_by_courier() {
         },
     )
     .await;
+    let ready = std::time::Instant::now();
 
     let keys = create_in_batches(&c, JOB_TYPE, 10, STREAM_JOBS / 10).await;
     worker.wait_for_keys(Duration::from_secs(60), &keys).await;
+    // Past the stream age, the gateway has ended no stream for it.
+    tokio::time::sleep(max_age.saturating_sub(ready.elapsed())).await;
+    assert_eq!(
+        cluster
+            .gateway_metric(0, "courier_gateway_streams_ended_total")
+            .await,
+        0.0,
+        "the SDK's stream was ended for its age"
+    );
 
     // The SDK's `job.complete()` swallows errors, so see for ourselves. It awaited
     // every CompleteJob answer before the worker exited.

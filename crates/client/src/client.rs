@@ -8,7 +8,7 @@ use crate::retry::{with_retries, Backoff, DEFAULT_BACKOFF, DEFAULT_RETRY_BUDGET}
 use crate::security::{AuthChannel, Security};
 use courier_proto::courier_v1 as v1;
 use courier_proto::gateway_protocol as gw;
-use courier_proto::headers::HEARTBEAT_HEADER;
+use courier_proto::headers::{HEARTBEAT_HEADER, STREAM_REOPENS_HEADER};
 use std::future::Future;
 use std::time::Duration;
 use tonic::transport::Channel;
@@ -220,6 +220,7 @@ impl Client {
     ) -> Result<OpenStream, ClientError> {
         let credit = request.credit();
         let heartbeat = request.heartbeat_ms();
+        let reopens = request.reopens_stated();
         // Digits, colons and commas only: always a valid header value.
         let held = request
             .held_header()
@@ -237,6 +238,12 @@ impl Client {
             }
             if let Some(ms) = heartbeat {
                 md.insert(HEARTBEAT_HEADER, ms.into());
+            }
+            if reopens {
+                md.insert(
+                    STREAM_REOPENS_HEADER,
+                    tonic::metadata::MetadataValue::from_static("1"),
+                );
             }
             async move {
                 let opened = picked.gateway().stream_activated_jobs(request).await;

@@ -216,6 +216,8 @@ pub struct StreamJobs {
     held: Vec<(i64, i64)>,
     /// Heartbeat interval asked of the gateway.
     heartbeat: Option<Duration>,
+    /// The caller reopens a stream the gateway ends on purpose.
+    reopens: bool,
 }
 
 impl StreamJobs {
@@ -230,6 +232,7 @@ impl StreamJobs {
             max_jobs_active: None,
             held: Vec::new(),
             heartbeat: None,
+            reopens: false,
         }
     }
 
@@ -281,6 +284,21 @@ impl StreamJobs {
     pub fn heartbeat(mut self, every: Duration) -> Self {
         self.heartbeat = Some(every);
         self
+    }
+
+    /// States that the caller reopens the stream when a Courier gateway ends it
+    /// with UNAVAILABLE and a [`courier_proto::headers::STREAM_END_HEADER`]
+    /// trailer, at once and (after `shutdown`) elsewhere, as a
+    /// [`JobWorker`](crate::JobWorker) does. Only then does the gateway end the
+    /// stream at its maximum age, so streams spread over the gateways there are.
+    pub fn reopens(mut self) -> Self {
+        self.reopens = true;
+        self
+    }
+
+    /// Whether the caller said it reopens.
+    pub(crate) fn reopens_stated(&self) -> bool {
+        self.reopens
     }
 
     /// The heartbeat interval asked for, in ms.

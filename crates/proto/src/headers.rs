@@ -12,6 +12,11 @@ pub const HEARTBEAT_HEADER: &str = "courier-heartbeat-ms";
 /// so no job has key 0.
 pub const HEARTBEAT_KEY: i64 = 0;
 
+/// Request header of `StreamActivatedJobs` (value `1`): the client reopens a stream
+/// the gateway ends with [`STREAM_END_HEADER`]. Only such streams are ended at the
+/// gateway's maximum stream age: some of Zeebe's clients never reopen a stream.
+pub const STREAM_REOPENS_HEADER: &str = "courier-stream-reopens";
+
 /// Trailer of a job stream the gateway ended on purpose (status UNAVAILABLE): its
 /// value says why, and the client reopens at once, without back-off.
 pub const STREAM_END_HEADER: &str = "courier-stream-end";

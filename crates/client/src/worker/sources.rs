@@ -73,7 +73,8 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, state: watch::Sender<StreamState>
         .timeout(c.timeout)
         .fetch_variables(c.fetch_variables.clone())
         .tenant_ids(c.tenant_ids.clone())
-        .max_jobs_active(c.max_jobs_active);
+        .max_jobs_active(c.max_jobs_active)
+        .reopens();
     if let Some(every) = c.heartbeat {
         request = request.heartbeat(every);
     }

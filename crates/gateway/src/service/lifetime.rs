@@ -1,6 +1,7 @@
-//! A job stream's life at the gateway. It ends at a jittered maximum age, and when
-//! the gateway shuts down, with UNAVAILABLE and a [`STREAM_END_HEADER`] trailer
-//! saying why: clients reopen at once (elsewhere, when this gateway is leaving),
+//! A job stream's life at the gateway. A client that states it reopens
+//! ([`STREAM_REOPENS_HEADER`]) has its stream ended at a jittered maximum age, and
+//! when the gateway shuts down, with UNAVAILABLE and a [`STREAM_END_HEADER`]
+//! trailer saying why: it reopens at once (elsewhere, when this gateway is leaving),
 //! and streams spread again over the gateways there are now. Jobs it buffered go
 //! back to the brokers; those its worker took are declared held on the reopen. A
 //! client that asks gets heartbeats, so it notices a stream that went silent.
@@ -10,6 +11,7 @@ use crate::admission::Place;
 use crate::streams::ClientStream;
 use courier_proto::headers::{
     HEARTBEAT_HEADER, HEARTBEAT_KEY, STREAM_END_HEADER, STREAM_END_MAX_AGE, STREAM_END_SHUTDOWN,
+    STREAM_REOPENS_HEADER,
 };
 
 /// The shortest and longest heartbeat interval a client may ask for.
@@ -23,16 +25,23 @@ const AGE_JITTER: f64 = 0.2;
 pub(super) struct Life {
     /// When the gateway ends it; `None`: never (until shutdown).
     pub max_age: Option<Duration>,
+    /// Its client reopens a stream ended with a reason; others see a shutdown as a
+    /// clean end, as from Zeebe's gateway, and are never ended for their age.
+    pub reopens: bool,
     /// Heartbeat interval the client asked for.
     pub heartbeat: Option<Duration>,
 }
 
 impl Life {
-    /// The life of a stream opened now under `max_age`, with the heartbeat its
-    /// request asks for.
+    /// The life of a stream opened now under `max_age` (when its client reopens),
+    /// with the heartbeat its request asks for.
     pub fn of(max_age: Option<Duration>, metadata: &tonic::metadata::MetadataMap) -> Life {
+        let reopens = metadata
+            .get(STREAM_REOPENS_HEADER)
+            .is_some_and(|v| v.as_bytes() == b"1");
         Life {
-            max_age: max_age.map(jittered),
+            max_age: max_age.filter(|_| reopens).map(jittered),
+            reopens,
             heartbeat: stated_heartbeat(metadata),
         }
     }
@@ -73,9 +82,12 @@ enum End {
 }
 
 impl End {
-    fn status(self) -> Option<Status> {
+    /// The status the stream ends with: none (a clean end) when its client was
+    /// removed, or when it does not reopen on a reason.
+    fn status(self, reopens: bool) -> Option<Status> {
         let (value, message) = match self {
             End::Removed => return None,
+            _ if !reopens => return None,
             End::MaxAge => (
                 STREAM_END_MAX_AGE,
                 "the job stream reached its maximum age on this gateway; reopen it",
@@ -102,6 +114,7 @@ struct Live {
     heartbeat: Option<tokio::time::Interval>,
     place: Option<Place>,
     observer: Option<RequestObserver>,
+    reopens: bool,
 }
 
 /// The response stream of `client`: its jobs, heartbeats while it has none, and
@@ -122,6 +135,7 @@ pub(super) fn job_stream(
         client: Some(client),
         stop,
         expiry: life.max_age.map(|age| Box::pin(tokio::time::sleep(age))),
+        reopens: life.reopens,
         heartbeat: beats,
         place: Some(place),
         observer: Some(observer),
@@ -158,7 +172,7 @@ pub(super) fn job_stream(
                     End::Shutdown => metrics::stream_ended(metrics::STREAM_END_SHUTDOWN),
                     End::Removed => {}
                 }
-                end.status().map(|s| (Err(s), l))
+                end.status(l.reopens).map(|s| (Err(s), l))
             }
         }
     }))

@@ -91,8 +91,13 @@ impl Setup {
     }
 }
 
+/// The life of a stream whose client reopens (Courier's worker).
 fn life(max_age: Option<Duration>, heartbeat: Option<Duration>) -> Life {
-    Life { max_age, heartbeat }
+    Life {
+        max_age,
+        reopens: true,
+        heartbeat,
+    }
 }
 
 fn end_reason(status: &tonic::Status) -> String {
@@ -160,13 +165,18 @@ async fn a_stream_ends_at_its_age_with_a_status_to_reopen_on_and_gives_back_its_
 }
 
 #[tokio::test(start_paused = true)]
-async fn shutdown_ends_every_stream_telling_its_client_to_go_elsewhere() {
+async fn shutdown_ends_every_stream_telling_a_client_that_reopens_to_go_elsewhere() {
     let s = setup();
     let (mut a, _) = s.open(&life(
         Some(Duration::from_secs(600)),
         Some(Duration::from_secs(1)),
     ));
     let (mut b, _) = s.open(&life(None, None));
+    let (mut zeebe, _) = s.open(&Life {
+        max_age: None,
+        reopens: false,
+        heartbeat: None,
+    });
     s.stop.cancel();
     for jobs in [&mut a, &mut b] {
         let end = jobs.next().await.unwrap().unwrap_err();
@@ -174,6 +184,10 @@ async fn shutdown_ends_every_stream_telling_its_client_to_go_elsewhere() {
         assert_eq!(end_reason(&end), "shutdown");
         assert!(jobs.next().await.is_none());
     }
+    assert!(
+        zeebe.next().await.is_none(),
+        "a Zeebe client's stream ends cleanly, as from Zeebe's gateway"
+    );
 }
 
 #[test]
@@ -181,6 +195,12 @@ fn the_heartbeat_asked_for_is_bounded_and_echoed_and_the_age_jittered_below_the_
     let mut md = tonic::metadata::MetadataMap::new();
     md.insert("courier-heartbeat-ms", "5".parse().unwrap());
     let max = Duration::from_secs(100);
+    assert_eq!(
+        Life::of(Some(max), &md).max_age,
+        None,
+        "a client that does not say it reopens is never ended for its age"
+    );
+    md.insert("courier-stream-reopens", "1".parse().unwrap());
     let l = Life::of(Some(max), &md);
     assert_eq!(l.heartbeat, Some(Duration::from_millis(100)));
     let mut echoed = tonic::metadata::MetadataMap::new();
