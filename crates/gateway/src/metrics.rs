@@ -219,12 +219,12 @@ fn build() -> prometheus::Result<Metrics> {
             Opts::new(
                 "courier_gateway_streams_ended_total",
                 "Job streams the gateway ended for its clients to reopen, by reason (max_age, \
-                 shutdown)",
+                 shutdown, asked)",
             ),
             &["reason"],
         )?,
     };
-    for reason in [STREAM_END_MAX_AGE, STREAM_END_SHUTDOWN] {
+    for reason in [STREAM_END_MAX_AGE, STREAM_END_SHUTDOWN, STREAM_END_ASKED] {
         m.streams_ended.with_label_values(&[reason]);
     }
     for bound in crate::admission::Bound::ALL {
@@ -425,6 +425,8 @@ pub fn job_yielded(reason: &'static str) {
 pub const STREAM_END_MAX_AGE: &str = "max_age";
 /// The label of a stream ended because the gateway shuts down.
 pub const STREAM_END_SHUTDOWN: &str = "shutdown";
+/// The label of a stream ended because its client asked (`EndStream`).
+pub const STREAM_END_ASKED: &str = "asked";
 
 /// Counts a job stream ended for its client to reopen, by `reason`.
 pub fn stream_ended(reason: &'static str) {

@@ -17,12 +17,19 @@ pub const HEARTBEAT_KEY: i64 = 0;
 /// gateway's maximum stream age: some of Zeebe's clients never reopen a stream.
 pub const STREAM_REOPENS_HEADER: &str = "courier-stream-reopens";
 
+/// Response header of `StreamActivatedJobs` for a client that reopens: the id of
+/// the stream, which `courier.v1.Jobs/EndStream` on the same gateway takes.
+pub const STREAM_ID_HEADER: &str = "courier-stream-id";
+
 /// Trailer of a job stream the gateway ended on purpose (status UNAVAILABLE): its
 /// value says why, and the client reopens at once, without back-off.
 pub const STREAM_END_HEADER: &str = "courier-stream-end";
 
 /// [`STREAM_END_HEADER`]: the stream reached its maximum age; reopen anywhere.
 pub const STREAM_END_MAX_AGE: &str = "max-age";
+
+/// [`STREAM_END_HEADER`]: the client asked for the end (`EndStream`).
+pub const STREAM_END_ASKED: &str = "asked";
 
 /// [`STREAM_END_HEADER`]: the gateway is shutting down; reopen on another one.
 pub const STREAM_END_SHUTDOWN: &str = "shutdown";

@@ -1,4 +1,5 @@
-//! Courier's `courier.v1.Jobs` service, for producers: create, get and cancel.
+//! Courier's `courier.v1.Jobs` service, for producers: create, get and cancel; and
+//! for Courier's worker, the end of one of its streams.
 
 use super::*;
 
@@ -92,6 +93,20 @@ impl Jobs for JobsService {
                 .job_command(caller.as_deref(), r.key, Ok(command), deadline)
                 .await?;
             Ok(v1::CancelJobResponse {})
+        })
+        .await
+    }
+
+    async fn end_stream(
+        &self,
+        request: tonic::Request<v1::EndStreamRequest>,
+    ) -> Result<Response<v1::EndStreamResponse>, Status> {
+        let id = request.get_ref().stream_id;
+        let span = tracing::debug_span!("EndStream", stream = id);
+        unary("EndStream", span, async {
+            Ok(v1::EndStreamResponse {
+                ended: self.0.endable.end(id),
+            })
         })
         .await
     }

@@ -3,16 +3,21 @@
 //! when the gateway shuts down, with UNAVAILABLE and a [`STREAM_END_HEADER`]
 //! trailer saying why: it reopens at once (elsewhere, when this gateway is leaving),
 //! and streams spread again over the gateways there are now. Jobs it buffered go
-//! back to the brokers; those its worker took are declared held on the reopen. A
-//! client that asks gets heartbeats, so it notices a stream that went silent.
+//! back to the brokers; those its worker took are declared held on the reopen. Such
+//! a client may also ask for the end of one of its streams (`EndStream`, by the id
+//! it was told), to reopen it with other credit or close it without losing the
+//! jobs on their way. A client that asks gets heartbeats, so it notices a stream
+//! that went silent.
 
 use super::*;
 use crate::admission::Place;
 use crate::streams::ClientStream;
 use courier_proto::headers::{
-    HEARTBEAT_HEADER, HEARTBEAT_KEY, STREAM_END_HEADER, STREAM_END_MAX_AGE, STREAM_END_SHUTDOWN,
-    STREAM_REOPENS_HEADER,
+    HEARTBEAT_HEADER, HEARTBEAT_KEY, STREAM_END_ASKED, STREAM_END_HEADER, STREAM_END_MAX_AGE,
+    STREAM_END_SHUTDOWN, STREAM_ID_HEADER, STREAM_REOPENS_HEADER,
 };
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 /// The shortest and longest heartbeat interval a client may ask for.
 const HEARTBEAT_BOUNDS: (Duration, Duration) =
@@ -20,6 +25,53 @@ const HEARTBEAT_BOUNDS: (Duration, Duration) =
 /// The share of the maximum age taken off at random, so streams opened together
 /// (after a gateway restart) do not all end together.
 const AGE_JITTER: f64 = 0.2;
+
+/// The open streams of clients that reopen, by id, for `EndStream`. Ids are random,
+/// so one client cannot guess another's.
+#[derive(Default)]
+pub(crate) struct Endable(Mutex<HashMap<u64, CancellationToken>>);
+
+impl Endable {
+    /// Ends stream `id`, if it is open here.
+    pub fn end(&self, id: u64) -> bool {
+        let token = self.lock().get(&id).cloned();
+        token.map(|t| t.cancel()).is_some()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, CancellationToken>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn register(self: &Arc<Self>) -> Registered {
+        let token = CancellationToken::new();
+        let mut map = self.lock();
+        let mut id = rand::random::<u64>();
+        while id == 0 || map.contains_key(&id) {
+            id = rand::random::<u64>();
+        }
+        map.insert(id, token.clone());
+        Registered {
+            endable: self.clone(),
+            id,
+            token,
+        }
+    }
+}
+
+/// A stream's place in [`Endable`], given up when dropped.
+pub(super) struct Registered {
+    endable: Arc<Endable>,
+    id: u64,
+    token: CancellationToken,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.endable.lock().remove(&self.id);
+    }
+}
 
 /// What a stream's life is bounded by.
 pub(super) struct Life {
@@ -30,12 +82,18 @@ pub(super) struct Life {
     pub reopens: bool,
     /// Heartbeat interval the client asked for.
     pub heartbeat: Option<Duration>,
+    /// Its id, by which its client may end it.
+    pub registered: Option<Registered>,
 }
 
 impl Life {
     /// The life of a stream opened now under `max_age` (when its client reopens),
     /// with the heartbeat its request asks for.
-    pub fn of(max_age: Option<Duration>, metadata: &tonic::metadata::MetadataMap) -> Life {
+    pub fn of(
+        max_age: Option<Duration>,
+        metadata: &tonic::metadata::MetadataMap,
+        endable: &Arc<Endable>,
+    ) -> Life {
         let reopens = metadata
             .get(STREAM_REOPENS_HEADER)
             .is_some_and(|v| v.as_bytes() == b"1");
@@ -43,13 +101,18 @@ impl Life {
             max_age: max_age.filter(|_| reopens).map(jittered),
             reopens,
             heartbeat: stated_heartbeat(metadata),
+            registered: reopens.then(|| endable.register()),
         }
     }
 
-    /// The response's initial metadata: the heartbeat interval kept, if any.
+    /// The response's initial metadata: the heartbeat interval kept, if any, and
+    /// the stream's id, if it has one.
     pub fn announce(&self, md: &mut tonic::metadata::MetadataMap) {
         if let Some(h) = self.heartbeat {
             md.insert(HEARTBEAT_HEADER, (h.as_millis() as u64).into());
+        }
+        if let Some(r) = &self.registered {
+            md.insert(STREAM_ID_HEADER, r.id.into());
         }
     }
 }
@@ -77,6 +140,8 @@ fn stated_heartbeat(metadata: &tonic::metadata::MetadataMap) -> Option<Duration>
 enum End {
     /// Its aggregated stream removed the client.
     Removed,
+    /// Its client asked for the end.
+    Asked,
     MaxAge,
     Shutdown,
 }
@@ -88,6 +153,10 @@ impl End {
         let (value, message) = match self {
             End::Removed => return None,
             _ if !reopens => return None,
+            End::Asked => (
+                STREAM_END_ASKED,
+                "the job stream was ended as its client asked",
+            ),
             End::MaxAge => (
                 STREAM_END_MAX_AGE,
                 "the job stream reached its maximum age on this gateway; reopen it",
@@ -115,13 +184,14 @@ struct Live {
     place: Option<Place>,
     observer: Option<RequestObserver>,
     reopens: bool,
+    registered: Option<Registered>,
 }
 
 /// The response stream of `client`: its jobs, heartbeats while it has none, and
 /// the end `life` and `stop` (the gateway's shutdown) set.
 pub(super) fn job_stream(
     client: ClientStream,
-    life: &Life,
+    life: Life,
     stop: CancellationToken,
     place: Place,
     observer: RequestObserver,
@@ -136,6 +206,7 @@ pub(super) fn job_stream(
         stop,
         expiry: life.max_age.map(|age| Box::pin(tokio::time::sleep(age))),
         reopens: life.reopens,
+        registered: life.registered,
         heartbeat: beats,
         place: Some(place),
         observer: Some(observer),
@@ -146,6 +217,7 @@ pub(super) fn job_stream(
             biased;
             () = l.stop.cancelled() => Err(End::Shutdown),
             () = until(&mut l.expiry) => Err(End::MaxAge),
+            () = asked(&l.registered) => Err(End::Asked),
             job = client.next() => job.ok_or(End::Removed),
             () = tick(&mut l.heartbeat) => Ok(heartbeat()),
         };
@@ -163,6 +235,7 @@ pub(super) fn job_stream(
                 // on the wire ahead of the status, and its worker declares it held.
                 l.client = None;
                 l.place = None;
+                l.registered = None;
                 if let Some(o) = l.observer.take() {
                     // An end the gateway chose is a normal end of the call.
                     o.finish(tonic::Code::Ok);
@@ -170,6 +243,7 @@ pub(super) fn job_stream(
                 match end {
                     End::MaxAge => metrics::stream_ended(metrics::STREAM_END_MAX_AGE),
                     End::Shutdown => metrics::stream_ended(metrics::STREAM_END_SHUTDOWN),
+                    End::Asked => metrics::stream_ended(metrics::STREAM_END_ASKED),
                     End::Removed => {}
                 }
                 end.status(l.reopens).map(|s| (Err(s), l))
@@ -182,6 +256,14 @@ pub(super) fn job_stream(
 async fn until(expiry: &mut Option<Pin<Box<tokio::time::Sleep>>>) {
     match expiry {
         Some(sleep) => sleep.as_mut().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves when the client asks for the end; never for one that cannot.
+async fn asked(registered: &Option<Registered>) {
+    match registered {
+        Some(r) => r.token.cancelled().await,
         None => std::future::pending().await,
     }
 }

@@ -1,6 +1,6 @@
 //! A job stream's life at the gateway, in paused time.
 
-use super::lifetime::{job_stream, Life};
+use super::lifetime::{job_stream, Endable, Life};
 use crate::admission::{Admission, Bounds};
 use crate::metrics::RequestObserver;
 use crate::streams::{AggregatedStreams, AttachedLink, Limits};
@@ -42,7 +42,7 @@ fn setup() -> Setup {
 
 impl Setup {
     /// A stream for type "t" under `life`, and the id of its aggregated stream.
-    fn open(&self, life: &Life) -> (super::JobStream, u64) {
+    fn open(&self, life: Life) -> (super::JobStream, u64) {
         let request = gw::StreamActivatedJobsRequest {
             r#type: "t".into(),
             worker: "w".into(),
@@ -97,6 +97,7 @@ fn life(max_age: Option<Duration>, heartbeat: Option<Duration>) -> Life {
         max_age,
         reopens: true,
         heartbeat,
+        registered: None,
     }
 }
 
@@ -113,7 +114,7 @@ fn end_reason(status: &tonic::Status) -> String {
 async fn an_idle_stream_carries_heartbeats_and_a_job_puts_the_next_off() {
     let s = setup();
     let every = Duration::from_secs(2);
-    let (mut jobs, id) = s.open(&life(None, Some(every)));
+    let (mut jobs, id) = s.open(life(None, Some(every)));
     let start = Instant::now();
     let beat = jobs.next().await.unwrap().unwrap();
     assert_eq!(beat.key, HEARTBEAT_KEY);
@@ -135,7 +136,7 @@ async fn an_idle_stream_carries_heartbeats_and_a_job_puts_the_next_off() {
 #[tokio::test(start_paused = true)]
 async fn without_a_heartbeat_asked_for_an_idle_stream_is_silent() {
     let s = setup();
-    let (mut jobs, _) = s.open(&life(None, None));
+    let (mut jobs, _) = s.open(life(None, None));
     let waited = tokio::time::timeout(Duration::from_secs(3600), jobs.next()).await;
     assert!(waited.is_err(), "nothing but jobs is sent: {waited:?}");
 }
@@ -144,7 +145,7 @@ async fn without_a_heartbeat_asked_for_an_idle_stream_is_silent() {
 async fn a_stream_ends_at_its_age_with_a_status_to_reopen_on_and_gives_back_its_buffer() {
     let mut s = setup();
     let age = Duration::from_secs(60);
-    let (mut jobs, id) = s.open(&life(Some(age), None));
+    let (mut jobs, id) = s.open(life(Some(age), None));
     s.push(id, 1);
     assert_eq!(jobs.next().await.unwrap().unwrap().key, 1);
     let start = Instant::now();
@@ -167,15 +168,16 @@ async fn a_stream_ends_at_its_age_with_a_status_to_reopen_on_and_gives_back_its_
 #[tokio::test(start_paused = true)]
 async fn shutdown_ends_every_stream_telling_a_client_that_reopens_to_go_elsewhere() {
     let s = setup();
-    let (mut a, _) = s.open(&life(
+    let (mut a, _) = s.open(life(
         Some(Duration::from_secs(600)),
         Some(Duration::from_secs(1)),
     ));
-    let (mut b, _) = s.open(&life(None, None));
-    let (mut zeebe, _) = s.open(&Life {
+    let (mut b, _) = s.open(life(None, None));
+    let (mut zeebe, _) = s.open(Life {
         max_age: None,
         reopens: false,
         heartbeat: None,
+        registered: None,
     });
     s.stop.cancel();
     for jobs in [&mut a, &mut b] {
@@ -196,26 +198,60 @@ fn the_heartbeat_asked_for_is_bounded_and_echoed_and_the_age_jittered_below_the_
     md.insert("courier-heartbeat-ms", "5".parse().unwrap());
     let max = Duration::from_secs(100);
     assert_eq!(
-        Life::of(Some(max), &md).max_age,
+        Life::of(Some(max), &md, &Arc::default()).max_age,
         None,
         "a client that does not say it reopens is never ended for its age"
     );
     md.insert("courier-stream-reopens", "1".parse().unwrap());
-    let l = Life::of(Some(max), &md);
+    let l = Life::of(Some(max), &md, &Arc::default());
     assert_eq!(l.heartbeat, Some(Duration::from_millis(100)));
     let mut echoed = tonic::metadata::MetadataMap::new();
     l.announce(&mut echoed);
     assert_eq!(echoed.get("courier-heartbeat-ms").unwrap(), "100");
     let ages: Vec<Duration> = (0..50)
-        .filter_map(|_| Life::of(Some(max), &md).max_age)
+        .filter_map(|_| Life::of(Some(max), &md, &Arc::default()).max_age)
         .collect();
     assert!(ages.iter().all(|a| *a <= max && *a >= max.mul_f64(0.8)));
     assert!(ages.iter().any(|a| *a != ages[0]), "jittered: {ages:?}");
 
     md.insert("courier-heartbeat-ms", "soon".parse().unwrap());
-    assert_eq!(Life::of(None, &md).heartbeat, None);
+    assert_eq!(Life::of(None, &md, &Arc::default()).heartbeat, None);
     assert_eq!(
-        Life::of(None, &tonic::metadata::MetadataMap::new()).heartbeat,
+        Life::of(None, &tonic::metadata::MetadataMap::new(), &Arc::default()).heartbeat,
         None
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_reopens_may_end_its_stream_by_the_id_it_was_told() {
+    let mut s = setup();
+    let endable = Arc::new(Endable::default());
+    let mut md = tonic::metadata::MetadataMap::new();
+    assert!(
+        Life::of(None, &md, &endable).registered.is_none(),
+        "a client that does not reopen gets no id"
+    );
+    md.insert("courier-stream-reopens", "1".parse().unwrap());
+    let life = Life::of(None, &md, &endable);
+    let mut told = tonic::metadata::MetadataMap::new();
+    life.announce(&mut told);
+    let id: u64 = told
+        .get("courier-stream-id")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let (mut jobs, stream) = s.open(life);
+    s.push(stream, 1);
+    assert_eq!(jobs.next().await.unwrap().unwrap().key, 1);
+    s.push(stream, 2);
+    assert!(!endable.end(id ^ 1), "another id ends nothing");
+    assert!(endable.end(id));
+    let end = jobs.next().await.unwrap().unwrap_err();
+    assert_eq!(end.code(), tonic::Code::Unavailable);
+    assert_eq!(end_reason(&end), "asked");
+    assert!(jobs.next().await.is_none());
+    assert_eq!(s.yielded(), [2], "what it had not sent goes back");
+    assert!(!endable.end(id), "an ended stream is forgotten");
 }

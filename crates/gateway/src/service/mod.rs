@@ -215,6 +215,8 @@ pub struct Shared {
     admission: Arc<Admission>,
     /// When a job stream is ended for its client to reopen (jittered); `None`: never.
     stream_max_age: Option<Duration>,
+    /// Streams their clients may end (`EndStream`).
+    endable: Arc<lifetime::Endable>,
 }
 
 impl Shared {
@@ -252,6 +254,7 @@ impl Shared {
             requests: phases.requests,
             admission,
             stream_max_age,
+            endable: Arc::default(),
         })
     }
 

@@ -143,15 +143,17 @@ impl Gateway for GatewayService {
         );
         // Tonic drops the stream when the client goes away, and with it the client
         // (see `ClientStream`); shutdown and the maximum age end it (see `lifetime`).
-        let life = lifetime::Life::of(self.0.stream_max_age, request.metadata());
+        let life = lifetime::Life::of(self.0.stream_max_age, request.metadata(), &self.0.endable);
+        let mut md = tonic::metadata::MetadataMap::new();
+        life.announce(&mut md);
         let mut response = Response::new(lifetime::job_stream(
             client,
-            &life,
+            life,
             self.0.clients.clone(),
             place,
             observer,
         ));
-        life.announce(response.metadata_mut());
+        *response.metadata_mut() = md;
         Ok(response)
     }
 
