@@ -8,7 +8,7 @@ use crate::retry::{with_retries, Backoff, DEFAULT_BACKOFF, DEFAULT_RETRY_BUDGET}
 use crate::security::{AuthChannel, Security};
 use courier_proto::courier_v1 as v1;
 use courier_proto::gateway_protocol as gw;
-use courier_proto::headers::{HEARTBEAT_HEADER, STREAM_REOPENS_HEADER};
+use courier_proto::headers::{HEARTBEAT_HEADER, STREAM_ID_HEADER, STREAM_REOPENS_HEADER};
 use std::future::Future;
 use std::time::Duration;
 use tonic::transport::Channel;
@@ -54,6 +54,8 @@ pub(crate) struct OpenStream {
     pub jobs: tonic::Streaming<gw::ActivatedJob>,
     pub gateway: StreamGateway,
     pub heartbeat: Option<Duration>,
+    /// The id by which the worker may ask the gateway to end it.
+    pub id: Option<u64>,
 }
 
 impl Client {
@@ -207,7 +209,12 @@ impl Client {
         &self,
         request: StreamJobs,
     ) -> Result<tonic::Streaming<gw::ActivatedJob>, ClientError> {
-        Ok(self.open_stream(request, None).await?.jobs)
+        Ok(self.open_stream(request, None, &[]).await?.jobs)
+    }
+
+    /// Gateways this client knows now.
+    pub(crate) fn gateway_count(&self) -> usize {
+        self.gateways.count()
     }
 
     /// Opens a job stream where streams are fewest, or again on `from`, whose
@@ -217,6 +224,7 @@ impl Client {
         &self,
         request: StreamJobs,
         from: Option<&StreamGateway>,
+        avoid: &[String],
     ) -> Result<OpenStream, ClientError> {
         let credit = request.credit();
         let heartbeat = request.heartbeat_ms();
@@ -227,7 +235,7 @@ impl Client {
             .and_then(|h| tonic::metadata::MetadataValue::try_from(h).ok());
         let message = gw::StreamActivatedJobsRequest::from(request);
         let opened = with_retries(self.backoff, self.retry_budget, || {
-            let picked = self.gateways.pick_for_stream(from);
+            let picked = self.gateways.pick_for_stream(from, avoid);
             let mut request = tonic::Request::new(message.clone());
             let md = request.metadata_mut();
             if let Some(n) = credit {
@@ -265,10 +273,16 @@ impl Client {
             .and_then(|v| v.parse::<u64>().ok())
             .filter(|&ms| ms > 0)
             .map(Duration::from_millis);
+        let id = response
+            .metadata()
+            .get(STREAM_ID_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
         Ok(OpenStream {
             jobs: response.into_inner(),
             gateway,
             heartbeat,
+            id,
         })
     }
 

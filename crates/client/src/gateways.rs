@@ -25,6 +25,9 @@ use tonic::Status;
 /// jobs, a GetJob answer a job and its last error message.
 const MAX_ANSWER_BYTES: usize = 64 * 1024 * 1024;
 
+/// How long an `EndStream` call may take.
+const END_STREAM_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// How long a gateway that could not be reached is passed over while others can be.
 const PASS_OVER_FOR: Duration = Duration::from_secs(5);
 
@@ -230,6 +233,22 @@ impl StreamGateway {
         self.member.pass_over(&self.pool);
     }
 
+    /// Asks this gateway to end its stream `id` after the jobs it already sent;
+    /// true when it did.
+    pub(crate) async fn end_stream(&self, id: u64) -> bool {
+        let mut jobs = self.member.jobs.clone();
+        let mut request =
+            tonic::Request::new(courier_proto::courier_v1::EndStreamRequest { stream_id: id });
+        request.set_timeout(END_STREAM_TIMEOUT);
+        match jobs.end_stream(request).await {
+            Ok(r) => r.into_inner().ended,
+            Err(s) => {
+                tracing::debug!(code = ?s.code(), message = s.message(), "EndStream failed");
+                false
+            }
+        }
+    }
+
     /// Takes note of how the stream broke: a gateway that is gone is passed over.
     pub(crate) fn broke(&self, status: &Status) {
         if unreachable(status) {
@@ -321,6 +340,11 @@ impl Gateways {
         }
     }
 
+    /// Gateways known now.
+    pub(crate) fn count(&self) -> usize {
+        self.pool.members().len()
+    }
+
     /// The addresses dialled, in order.
     pub(crate) fn addresses(&self) -> Vec<String> {
         self.pool.members().iter().map(|m| m.addr.clone()).collect()
@@ -334,13 +358,17 @@ impl Gateways {
     /// (all leaving at once would only pile onto the next gateway). A stream that
     /// moves, or is new, goes to a gateway drawn with weight 1 + its deficit below
     /// the fair share: the lightest are likeliest, yet clients acting on the same
-    /// counts do not all land on one.
-    pub(crate) fn pick_for_stream(&self, from: Option<&StreamGateway>) -> Picked {
+    /// counts do not all land on one. Gateways in `avoid` (those of the same
+    /// worker's other streams) are taken only when no other is live.
+    pub(crate) fn pick_for_stream(&self, from: Option<&StreamGateway>, avoid: &[String]) -> Picked {
         let members = self.pool.members();
         let now = self.pool.now_ms();
         let mut live: Vec<&Arc<Member>> = members.iter().filter(|m| !m.passed_over(now)).collect();
         if live.is_empty() {
             return self.pick();
+        }
+        if live.iter().any(|m| !avoid.contains(&m.addr)) {
+            live.retain(|m| !avoid.contains(&m.addr));
         }
         let count = |m: &Member| m.streams.load(Ordering::Relaxed) as f64;
         let fair = live.iter().map(|m| count(m)).sum::<f64>() / live.len() as f64;

@@ -180,7 +180,7 @@ fn placed(g: &Gateways, from: Option<usize>, n: usize) -> [usize; 3] {
     let members = g.pool.members();
     let mut seen = [0; 3];
     for _ in 0..n {
-        let p = g.pick_for_stream(from.as_ref());
+        let p = g.pick_for_stream(from.as_ref(), &[]);
         let i = members
             .iter()
             .position(|m| Arc::ptr_eq(m, &p.member))

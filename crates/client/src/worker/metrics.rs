@@ -1,7 +1,7 @@
 //! What a worker counts: plain atomics, read through [`WorkerMetrics::snapshot`], and
 //! with the `prometheus` feature exported to a `prometheus::Registry`.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,7 +56,8 @@ struct Counters {
     waited_for_room: AtomicU64,
     commands_failed: AtomicU64,
     active: AtomicU64,
-    stream_open: AtomicBool,
+    streams_open: AtomicU64,
+    stream_credit: AtomicI64,
     stream_opens: AtomicU64,
     stream_failures: AtomicU64,
     polls: AtomicU64,
@@ -99,8 +100,12 @@ pub struct WorkerMetricsSnapshot {
     pub commands_failed: u64,
     /// Jobs held right now.
     pub active: u64,
-    /// Whether the job stream is open right now.
+    /// Whether a job stream is open right now.
     pub stream_open: bool,
+    /// Job streams open right now (one per gateway the worker streams from).
+    pub streams_open: u64,
+    /// Credit the open streams stated, in all: never more than max jobs active.
+    pub stream_credit: u64,
     /// Times the stream was opened.
     pub stream_opens: u64,
     /// Times opening or keeping the stream failed (including `UNIMPLEMENTED`).
@@ -162,7 +167,9 @@ impl WorkerMetrics {
             given_back_shutdown: c.given_back_shutdown.load(Relaxed),
             commands_failed: c.commands_failed.load(Relaxed),
             active: c.active.load(Relaxed),
-            stream_open: c.stream_open.load(Relaxed),
+            stream_open: c.streams_open.load(Relaxed) > 0,
+            streams_open: c.streams_open.load(Relaxed),
+            stream_credit: c.stream_credit.load(Relaxed).max(0) as u64,
             stream_opens: c.stream_opens.load(Relaxed),
             stream_failures: c.stream_failures.load(Relaxed),
             polls: c.polls.load(Relaxed),
@@ -220,16 +227,30 @@ impl WorkerMetrics {
 
     pub(crate) fn stream_opened(&self) {
         self.0.stream_opens.fetch_add(1, Relaxed);
-        self.0.stream_open.store(true, Relaxed);
+        self.0.streams_open.fetch_add(1, Relaxed);
     }
 
+    /// An open stream broke.
     pub(crate) fn stream_failed(&self) {
         self.0.stream_failures.fetch_add(1, Relaxed);
-        self.0.stream_open.store(false, Relaxed);
+        self.stream_closed();
+    }
+
+    /// The credit stated by open streams changed by `delta`.
+    pub(crate) fn stream_credit(&self, delta: i64) {
+        self.0.stream_credit.fetch_add(delta, Relaxed);
+    }
+
+    /// A stream could not be opened.
+    pub(crate) fn stream_not_opened(&self) {
+        self.0.stream_failures.fetch_add(1, Relaxed);
     }
 
     pub(crate) fn stream_closed(&self) {
-        self.0.stream_open.store(false, Relaxed);
+        let _ = self
+            .0
+            .streams_open
+            .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
     }
 
     pub(crate) fn polled(&self, jobs: usize) {
@@ -380,6 +401,20 @@ mod export {
                     GAUGE,
                     None,
                     |s| vec![("", f64::from(u8::from(s.stream_open)))],
+                )?,
+                family(
+                    "courier_worker_streams_open",
+                    "Job streams open right now, one per gateway streamed from",
+                    GAUGE,
+                    None,
+                    |s| vec![("", s.streams_open as f64)],
+                )?,
+                family(
+                    "courier_worker_stream_credit",
+                    "Credit the open job streams stated, in all (at most max jobs active)",
+                    GAUGE,
+                    None,
+                    |s| vec![("", s.stream_credit as f64)],
                 )?,
                 family(
                     "courier_worker_stream_failures_total",

@@ -52,6 +52,7 @@
 
 mod capacity;
 mod job;
+mod lanes;
 pub mod metrics;
 mod pacing;
 mod sources;
@@ -167,6 +168,10 @@ struct Config {
     grace: Duration,
     /// Heartbeat interval asked of the gateway on the stream; `None`: none.
     heartbeat: Option<Duration>,
+    /// Job streams kept at most, each on its own gateway.
+    max_streams: usize,
+    /// How long a stream beside others may carry nothing before it is closed.
+    prune_after: Duration,
 }
 
 /// Builds a [`JobWorker`]: [`JobWorker::builder`], options, then
@@ -224,6 +229,22 @@ impl JobWorkerBuilder {
     /// forwarding) and reopened on another gateway.
     pub fn stream_heartbeat(mut self, every: Option<Duration>) -> Self {
         self.config.heartbeat = every;
+        self
+    }
+
+    /// How many job streams the worker keeps at most, each on another gateway
+    /// (default 4, and never more than the client's gateways or max jobs active).
+    /// It opens one more while its credit stays fully used or its polls find jobs
+    /// the streams were not pushed, and splits max jobs active between them.
+    pub fn max_streams(mut self, max: usize) -> Self {
+        self.config.max_streams = max.max(1);
+        self
+    }
+
+    /// How long a stream beside others may carry no job before it is closed
+    /// (default 30 s); the last stream is always kept.
+    pub fn stream_prune_after(mut self, idle: Duration) -> Self {
+        self.config.prune_after = idle;
         self
     }
 
@@ -395,6 +416,8 @@ impl JobWorker {
                 streaming: true,
                 grace: Duration::from_secs(10),
                 heartbeat: Some(STREAM_HEARTBEAT),
+                max_streams: lanes::MAX_STREAMS,
+                prune_after: lanes::PRUNE_AFTER,
             },
             handler,
             reported: None,
@@ -639,11 +662,16 @@ async fn supervise(ctx: Arc<Ctx>) {
     };
     // Held here for the worker's whole life, so the poller's view never closes.
     let (state, state_rx) = tokio::sync::watch::channel(initial);
+    let lanes = Arc::new(lanes::Lanes::new(state));
     let stream = ctx
         .config
         .streaming
-        .then(|| tokio::spawn(sources::stream_loop(Arc::clone(&ctx), state.clone())));
-    let poll = tokio::spawn(sources::poll_loop(Arc::clone(&ctx), state_rx));
+        .then(|| tokio::spawn(lanes::run(Arc::clone(&ctx), Arc::clone(&lanes))));
+    let poll = tokio::spawn(sources::poll_loop(
+        Arc::clone(&ctx),
+        Arc::clone(&lanes),
+        state_rx,
+    ));
 
     ctx.stop.cancelled().await;
     // Both loops watch `stop` at every await and return at once; after they have,
@@ -673,7 +701,7 @@ async fn supervise(ctx: Arc<Ctx>) {
         ctx.abandon.cancel();
         ctx.tracker.wait().await;
     }
-    drop(state);
+    drop(lanes);
 }
 
 #[cfg(test)]

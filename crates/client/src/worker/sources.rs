@@ -2,9 +2,11 @@
 //! it. Both hand what they get to [`Ctx::receive`], which holds a job only with a
 //! free permit.
 
+use super::lanes::{Lane, Lanes};
 use super::metrics::JobPath;
 use super::pacing::{Ramp, PACE};
 use super::Ctx;
+use crate::client::OpenStream;
 use crate::request::{ActivateJobs, StreamJobs};
 use courier_proto::headers::{
     HEARTBEAT_KEY, STREAM_END_HEADER, STREAM_END_MAX_AGE, STREAM_END_SHUTDOWN,
@@ -33,6 +35,8 @@ const LONG_POLL_FLOOR: Duration = Duration::from_secs(1);
 
 /// How a stream ended.
 enum Ended {
+    /// The worker moved credit to or from it: reopen at once where it was.
+    Resized,
     /// The gateway ended it on purpose (its maximum age, or its shutdown): reopen at
     /// once, without back-off.
     Moved {
@@ -63,17 +67,16 @@ impl Ended {
 /// Heartbeat intervals without a message after which a stream counts as stalled.
 const STALL_AFTER_BEATS: u32 = 3;
 
-/// Keeps a job stream open until shutdown, reopening it with jittered back-off;
-/// at once when the gateway ended it on purpose, or when it stalled (then on
-/// another gateway).
-pub(super) async fn stream_loop(ctx: Arc<Ctx>, state: watch::Sender<StreamState>) {
+/// Keeps one of the worker's job streams open until it is closed or the worker
+/// stops, reopening it with jittered back-off; at once when the gateway ended it on
+/// purpose or its credit changed, or when it stalled (then on another gateway).
+pub(super) async fn stream_loop(ctx: Arc<Ctx>, lanes: Arc<Lanes>, lane: Arc<Lane>) {
     let c = &ctx.config;
     let mut request = StreamJobs::new(&c.job_type)
         .worker(&c.name)
         .timeout(c.timeout)
         .fetch_variables(c.fetch_variables.clone())
         .tenant_ids(c.tenant_ids.clone())
-        .max_jobs_active(c.max_jobs_active)
         .reopens();
     if let Some(every) = c.heartbeat {
         request = request.heartbeat(every);
@@ -83,19 +86,27 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, state: watch::Sender<StreamState>
     let mut quiet = false;
     // The gateway whose stream just ended at its age: the reopen may stay there.
     let mut aged = None;
+    let state = |s| lanes.set_state(&lane, s);
     loop {
         let from = aged.take();
+        let credit = lane.credit();
+        // Jobs still held from an earlier stream (or polled) are declared, so the
+        // gateway counts them against this one's credit.
+        let asked = request
+            .clone()
+            .max_jobs_active(credit)
+            .jobs_held(lanes.held_by(&lane, ctx.jobs_held()));
+        let avoid = lanes.other_gateways(&lane);
         let opened = tokio::select! {
-            // Jobs still held from an earlier stream (or polled) are declared, so
-            // the gateway counts them against this one's credit.
-            r = ctx.once.open_stream(request.clone().jobs_held(ctx.jobs_held()), from.as_ref()) => r,
-            () = ctx.stop.cancelled() => return,
+            r = ctx.once.open_stream(asked, from.as_ref(), &avoid) => r,
+            () = lane.close.cancelled() => return,
         };
         let again = match opened {
             Ok(mut open) => {
                 ctx.metrics.stream_opened();
-                state.send_replace(StreamState::Open);
-                tracing::debug!(job_type = %c.job_type, gateway = open.gateway.addr(), "job stream open");
+                lane.opened(&ctx, open.gateway.addr(), credit);
+                state(StreamState::Open);
+                tracing::debug!(job_type = %c.job_type, gateway = open.gateway.addr(), credit, "job stream open");
                 let opened_at = Instant::now();
                 // A gateway that keeps no heartbeat cannot be told from a stall.
                 let stall_after = open.heartbeat.map(|h| h * STALL_AFTER_BEATS);
@@ -109,15 +120,28 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, state: watch::Sender<StreamState>
                     tokio::select! {
                         m = open.jobs.message() => match m {
                             Ok(Some(job)) if job.key == HEARTBEAT_KEY => {}
-                            Ok(Some(job)) => ctx.receive(job, JobPath::Push),
+                            Ok(Some(job)) => {
+                                lanes.carried(&lane, job.key);
+                                ctx.receive(job, JobPath::Push);
+                            }
                             Ok(None) => break Ended::Closed,
                             Err(status) => break Ended::of(status),
                         },
                         () = silence => break Ended::Stalled(stall_after.unwrap_or_default()),
-                        () = ctx.stop.cancelled() => {
-                            // Dropping the stream cancels the call: the gateway
-                            // stops pushing and yields what it had buffered for us.
+                        () = lane.resized.notified() => {
+                            end_and_drain(&ctx, &lanes, &lane, &mut open).await;
+                            break Ended::Resized;
+                        }
+                        () = lane.close.cancelled() => {
+                            // The worker closes this one of its streams: the jobs
+                            // on their way still come. On shutdown it is dropped,
+                            // which cancels the call: the gateway stops pushing and
+                            // yields what it had buffered for us.
+                            if !ctx.stop.is_cancelled() {
+                                end_and_drain(&ctx, &lanes, &lane, &mut open).await;
+                            }
                             ctx.metrics.stream_closed();
+                            lane.ended(&ctx);
                             return;
                         }
                     }
@@ -126,7 +150,13 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, state: watch::Sender<StreamState>
                 if opened_at.elapsed() >= PACE.cap {
                     ramp.reset();
                 }
+                lane.ended(&ctx);
                 match ended {
+                    Ended::Resized => {
+                        ctx.metrics.stream_closed();
+                        aged = Some(open.gateway);
+                        true
+                    }
                     Ended::Moved { leaving } => {
                         ctx.metrics.stream_closed();
                         tracing::debug!(
@@ -144,7 +174,7 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, state: watch::Sender<StreamState>
                     }
                     Ended::Stalled(after) => {
                         ctx.metrics.stream_failed();
-                        state.send_replace(StreamState::Down);
+                        state(StreamState::Down);
                         open.gateway.pass_over();
                         tracing::warn!(
                             gateway = open.gateway.addr(),
@@ -156,7 +186,7 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, state: watch::Sender<StreamState>
                     }
                     Ended::Closed | Ended::Broke(_) => {
                         ctx.metrics.stream_failed();
-                        state.send_replace(StreamState::Down);
+                        state(StreamState::Down);
                         match ended {
                             Ended::Broke(s) => {
                                 open.gateway.broke(&s);
@@ -177,8 +207,8 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, state: watch::Sender<StreamState>
                 }
             }
             Err(e) => {
-                ctx.metrics.stream_failed();
-                state.send_replace(StreamState::Down);
+                ctx.metrics.stream_not_opened();
+                state(StreamState::Down);
                 if quiet {
                     tracing::debug!(error = %e, "job stream still unavailable");
                 } else if e.code() == Some(Code::Unimplemented) {
@@ -199,13 +229,46 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, state: watch::Sender<StreamState>
         ramp.grow();
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
+            () = lane.close.cancelled() => return,
+        }
+    }
+}
+
+/// How long a stream the worker asked its gateway to end may take to end.
+const END_DRAIN: Duration = Duration::from_secs(3);
+
+/// Asks the gateway to end `open` and takes the jobs it sent until the end comes,
+/// so none is left on the wire to wait for its timeout. A gateway that cannot end
+/// it (an older one) or takes too long has it dropped.
+async fn end_and_drain(ctx: &Arc<Ctx>, lanes: &Lanes, lane: &Lane, open: &mut OpenStream) {
+    let Some(id) = open.id else { return };
+    if !open.gateway.end_stream(id).await {
+        return;
+    }
+    let deadline = tokio::time::sleep(END_DRAIN);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            m = open.jobs.message() => match m {
+                Ok(Some(job)) if job.key == HEARTBEAT_KEY => {}
+                Ok(Some(job)) => {
+                    lanes.carried(lane, job.key);
+                    ctx.receive(job, JobPath::Push);
+                }
+                Ok(None) | Err(_) => return,
+            },
+            () = &mut deadline => return,
             () = ctx.stop.cancelled() => return,
         }
     }
 }
 
 /// Polls for jobs whenever there is room, until shutdown.
-pub(super) async fn poll_loop(ctx: Arc<Ctx>, mut stream: watch::Receiver<StreamState>) {
+pub(super) async fn poll_loop(
+    ctx: Arc<Ctx>,
+    lanes: Arc<Lanes>,
+    mut stream: watch::Receiver<StreamState>,
+) {
     let c = &ctx.config;
     let base = ActivateJobs::new(&c.job_type)
         .worker(&c.name)
@@ -257,6 +320,10 @@ pub(super) async fn poll_loop(ctx: Arc<Ctx>, mut stream: watch::Receiver<StreamS
                 errors.reset();
                 ctx.metrics.polled(jobs.len());
                 let empty = jobs.is_empty();
+                if beside_stream {
+                    // Jobs the streams were not pushed: more streams may take them.
+                    lanes.polled_beside(jobs.len());
+                }
                 for job in jobs {
                     ctx.receive(job, JobPath::Poll);
                 }

@@ -1,0 +1,392 @@
+//! A worker's job streams. It keeps one, and opens more, each on another gateway,
+//! while its credit is fully used or its polls find jobs the streams were not
+//! pushed (more gateways then push to it); one that carried nothing for a while is
+//! closed, down to one. The credit (max jobs active) is split between the streams,
+//! weighted toward those that carry the jobs, and their credits together never
+//! exceed it: a stream's credit is lowered (it reopens) before another's is raised.
+
+use super::sources::{stream_loop, StreamState};
+use super::{lock, Ctx};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{watch, Notify};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// How often the worker looks at its streams' load.
+const LOOK_EVERY: Duration = Duration::from_secs(1);
+/// Looks in a row that saw pressure before a stream is added.
+const GROW_AFTER: u32 = 2;
+/// The least time between two changes of the set of streams.
+const SETTLE: Duration = Duration::from_secs(2);
+/// How often credit is moved toward the streams that carry the jobs.
+const REBALANCE_EVERY: Duration = Duration::from_secs(5);
+/// How long a lowered stream may take to reopen before others are raised anyway
+/// (a stream that is down holds no credit at its gateway).
+const SHRINK_WAIT: Duration = Duration::from_secs(5);
+/// Streams a worker keeps at most by default (never more than its gateways).
+pub const MAX_STREAMS: usize = 4;
+/// How long a stream beside others may carry nothing before it is closed.
+pub const PRUNE_AFTER: Duration = Duration::from_secs(30);
+
+/// One of the worker's streams.
+pub(super) struct Lane {
+    pub(super) id: usize,
+    /// The credit it is to open with.
+    credit: AtomicU32,
+    /// The credit its open stream stated; 0 while it is not open.
+    open_credit: AtomicU32,
+    /// Jobs pushed through it.
+    carried: AtomicU64,
+    /// When it last carried a job (ms since the lanes began).
+    last_job_ms: AtomicU64,
+    /// Told to reopen with its new credit.
+    pub(super) resized: Notify,
+    /// Cancelled when it is closed (or the worker stops).
+    pub(super) close: CancellationToken,
+    /// The gateway its stream is on now.
+    gateway: Mutex<Option<String>>,
+    state: AtomicU8,
+}
+
+impl Lane {
+    pub(super) fn credit(&self) -> u32 {
+        self.credit.load(Relaxed)
+    }
+
+    /// Its stream opened on `gateway` stating `credit`.
+    pub(super) fn opened(&self, ctx: &Ctx, gateway: &str, credit: u32) {
+        *lock(&self.gateway) = Some(gateway.to_string());
+        let was = self.open_credit.swap(credit, Relaxed);
+        ctx.metrics
+            .stream_credit(i64::from(credit) - i64::from(was));
+    }
+
+    /// Its stream ended.
+    pub(super) fn ended(&self, ctx: &Ctx) {
+        *lock(&self.gateway) = None;
+        let was = self.open_credit.swap(0, Relaxed);
+        ctx.metrics.stream_credit(-i64::from(was));
+    }
+}
+
+/// The worker's streams, what each holds, and the state the poller sees.
+pub(super) struct Lanes {
+    began: Instant,
+    live: Mutex<Vec<Arc<Lane>>>,
+    /// Job key -> the lane whose stream pushed it, declared held when that lane
+    /// reopens. Polled jobs, and those of closed lanes, are declared by lane 0.
+    owners: Mutex<HashMap<i64, usize>>,
+    state: watch::Sender<StreamState>,
+    /// Jobs polls found beside an open stream since the last look.
+    polled_beside: AtomicU64,
+}
+
+impl Lanes {
+    pub(super) fn new(state: watch::Sender<StreamState>) -> Lanes {
+        Lanes {
+            began: Instant::now(),
+            live: Mutex::new(Vec::new()),
+            owners: Mutex::new(HashMap::new()),
+            state,
+            polled_beside: AtomicU64::new(0),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.began.elapsed().as_millis() as u64
+    }
+
+    fn add(&self, id: usize, credit: u32, stop: &CancellationToken) -> Arc<Lane> {
+        let lane = Arc::new(Lane {
+            id,
+            credit: AtomicU32::new(credit),
+            open_credit: AtomicU32::new(0),
+            carried: AtomicU64::new(0),
+            last_job_ms: AtomicU64::new(self.now_ms()),
+            resized: Notify::new(),
+            close: stop.child_token(),
+            gateway: Mutex::new(None),
+            state: AtomicU8::new(StreamState::Opening as u8),
+        });
+        lock(&self.live).push(lane.clone());
+        self.publish();
+        lane
+    }
+
+    fn remove(&self, id: usize) {
+        lock(&self.live).retain(|l| l.id != id);
+        self.publish();
+    }
+
+    /// Lane `lane`'s stream is now in `state`.
+    pub(super) fn set_state(&self, lane: &Lane, state: StreamState) {
+        lane.state.store(state as u8, Relaxed);
+        self.publish();
+    }
+
+    /// What the poller sees: open while any stream is, opening while any is.
+    fn publish(&self) {
+        let states: Vec<u8> = lock(&self.live)
+            .iter()
+            .map(|l| l.state.load(Relaxed))
+            .collect();
+        let seen = if states.contains(&(StreamState::Open as u8)) {
+            StreamState::Open
+        } else if states.contains(&(StreamState::Opening as u8)) {
+            StreamState::Opening
+        } else {
+            StreamState::Down
+        };
+        self.state.send_if_modified(|s| {
+            let changed = *s != seen;
+            *s = seen;
+            changed
+        });
+    }
+
+    /// A job came through `lane`'s stream.
+    pub(super) fn carried(&self, lane: &Lane, key: i64) {
+        lane.carried.fetch_add(1, Relaxed);
+        lane.last_job_ms.store(self.now_ms(), Relaxed);
+        lock(&self.owners).insert(key, lane.id);
+    }
+
+    /// Polls found `n` jobs while a stream was open.
+    pub(super) fn polled_beside(&self, n: usize) {
+        self.polled_beside.fetch_add(n as u64, Relaxed);
+    }
+
+    /// The gateways of the streams other than `lane`'s.
+    pub(super) fn other_gateways(&self, lane: &Lane) -> Vec<String> {
+        lock(&self.live)
+            .iter()
+            .filter(|l| l.id != lane.id)
+            .filter_map(|l| lock(&l.gateway).clone())
+            .collect()
+    }
+
+    /// Of the jobs the worker holds, those `lane` declares when it (re)opens.
+    pub(super) fn held_by(&self, lane: &Lane, held: Vec<(i64, i64)>) -> Vec<(i64, i64)> {
+        let live: HashSet<usize> = lock(&self.live).iter().map(|l| l.id).collect();
+        let mut owners = lock(&self.owners);
+        let now: HashSet<i64> = held.iter().map(|(k, _)| *k).collect();
+        // Jobs no longer held need no owner.
+        owners.retain(|k, _| now.contains(k));
+        held.into_iter()
+            .filter(|(k, _)| match owners.get(k) {
+                Some(o) if live.contains(o) => *o == lane.id,
+                _ => lane.id == 0,
+            })
+            .collect()
+    }
+}
+
+/// Splits `total` credit between streams by `weights` (jobs each carried lately),
+/// half evenly and half by weight, each at least 1; the shares sum to `total`.
+pub(super) fn split(total: u32, weights: &[u64]) -> Vec<u32> {
+    let n = weights.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let sum: u64 = weights.iter().sum();
+    let wanted: Vec<f64> = weights
+        .iter()
+        .map(|&w| {
+            let even = f64::from(total) / n as f64;
+            let by_weight = if sum == 0 {
+                even
+            } else {
+                f64::from(total) * w as f64 / sum as f64
+            };
+            (even + by_weight) / 2.0
+        })
+        .collect();
+    let mut shares: Vec<u32> = wanted.iter().map(|w| (w.floor() as u32).max(1)).collect();
+    // Hand out what flooring left, largest remainders first; take back what the
+    // floor of 1 added, from the largest shares.
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| {
+        let ra = wanted[a] - wanted[a].floor();
+        let rb = wanted[b] - wanted[b].floor();
+        rb.total_cmp(&ra)
+    });
+    let mut given: u32 = shares.iter().sum();
+    let mut i = 0;
+    while given < total {
+        shares[order[i % n]] += 1;
+        given += 1;
+        i += 1;
+    }
+    while given > total {
+        let Some(big) = (0..n).filter(|&i| shares[i] > 1).max_by_key(|&i| shares[i]) else {
+            break;
+        };
+        shares[big] -= 1;
+        given -= 1;
+    }
+    shares
+}
+
+/// Whether moving from `old` to `new` credits is worth reopening streams for.
+fn worth_it(old: &[u32], new: &[u32]) -> bool {
+    old.iter().zip(new).any(|(&o, &n)| {
+        let d = o.abs_diff(n);
+        d >= 2 && d * 4 >= o.max(n)
+    })
+}
+
+/// Gives `lanes` the credits `shares`: lowered ones reopen first, and the raised
+/// ones only once those have, and hold no more jobs than their new credit (or
+/// [`SHRINK_WAIT`] passed), so the credits stated at the gateways never sum to
+/// more than the worker's and no gateway pushes into room that is not there.
+async fn apply(ctx: &Ctx, all: &Lanes, lanes: &[Arc<Lane>], shares: &[u32]) {
+    let mut lowered = Vec::new();
+    for (lane, &share) in lanes.iter().zip(shares) {
+        if share < lane.credit() {
+            lane.credit.store(share, Relaxed);
+            lane.resized.notify_one();
+            lowered.push(lane.clone());
+        }
+    }
+    let deadline = Instant::now() + SHRINK_WAIT;
+    let over = |l: &Arc<Lane>| {
+        l.open_credit.load(Relaxed) > l.credit()
+            || all.held_by(l, ctx.jobs_held()).len() > l.credit() as usize
+    };
+    while lowered.iter().any(over) && Instant::now() < deadline {
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(20)) => {}
+            () = ctx.stop.cancelled() => return,
+        }
+    }
+    for (lane, &share) in lanes.iter().zip(shares) {
+        if share > lane.credit() {
+            lane.credit.store(share, Relaxed);
+            lane.resized.notify_one();
+        }
+    }
+}
+
+/// Runs the worker's streams until shutdown: one at first, more under pressure,
+/// fewer when idle.
+pub(super) async fn run(ctx: Arc<Ctx>, lanes: Arc<Lanes>) {
+    let total = ctx.config.max_jobs_active;
+    let mut tasks = tokio::task::JoinSet::new();
+    let first = lanes.add(0, total, &ctx.stop);
+    tasks.spawn(stream_loop(ctx.clone(), lanes.clone(), first));
+    let mut next_id = 1;
+    let mut tick = tokio::time::interval(LOOK_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut pressed = 0;
+    let mut changed = Instant::now();
+    let mut rebalanced = Instant::now();
+    let mut carried_then: HashMap<usize, u64> = HashMap::new();
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = ctx.stop.cancelled() => break,
+        }
+        // Reap lanes that ended.
+        while let Some(done) = tasks.try_join_next() {
+            if let Err(e) = done {
+                tracing::warn!(error = %e, "a job stream task ended abnormally");
+            }
+        }
+        let live: Vec<Arc<Lane>> = lock(&lanes.live).clone();
+        let most = ctx
+            .config
+            .max_streams
+            .min(ctx.once.gateway_count())
+            .min(total as usize)
+            .max(1);
+        let busy = ctx.capacity.free() == 0 || lanes.polled_beside.swap(0, Relaxed) > 0;
+        pressed = if busy { pressed + 1 } else { 0 };
+        let settled = changed.elapsed() >= SETTLE;
+        if pressed >= GROW_AFTER && live.len() < most && settled {
+            // The new lane starts with no credit and is raised once the others
+            // have given some up.
+            let lane = lanes.add(next_id, 0, &ctx.stop);
+            next_id += 1;
+            tracing::debug!(
+                job_type = %ctx.config.job_type,
+                streams = live.len() + 1,
+                "jobs wait: opening another job stream"
+            );
+            tasks.spawn(stream_loop(ctx.clone(), lanes.clone(), lane.clone()));
+            let mut all = live;
+            all.push(lane);
+            let shares = split(total, &vec![0; all.len()]);
+            apply(&ctx, &lanes, &all, &shares).await;
+            (pressed, changed, rebalanced) = (0, Instant::now(), Instant::now());
+            continue;
+        }
+        let now = lanes.now_ms();
+        let idle_after = ctx.config.prune_after.as_millis() as u64;
+        let idle = live
+            .iter()
+            .find(|l| l.id != 0 && now.saturating_sub(l.last_job_ms.load(Relaxed)) >= idle_after);
+        if let (Some(idle), false, true) = (idle, busy, settled) {
+            tracing::debug!(
+                job_type = %ctx.config.job_type,
+                streams = live.len() - 1,
+                "a job stream carried nothing for a while: closing it"
+            );
+            idle.close.cancel();
+            lanes.remove(idle.id);
+            let rest: Vec<Arc<Lane>> = live.iter().filter(|l| l.id != idle.id).cloned().collect();
+            let shares = split(total, &vec![0; rest.len()]);
+            apply(&ctx, &lanes, &rest, &shares).await;
+            (changed, rebalanced) = (Instant::now(), Instant::now());
+            continue;
+        }
+        if live.len() > 1 && rebalanced.elapsed() >= REBALANCE_EVERY {
+            let recent: Vec<u64> = live
+                .iter()
+                .map(|l| {
+                    let c = l.carried.load(Relaxed);
+                    c - carried_then.insert(l.id, c).unwrap_or(0).min(c)
+                })
+                .collect();
+            let old: Vec<u32> = live.iter().map(|l| l.credit()).collect();
+            let new = split(total, &recent);
+            if worth_it(&old, &new) {
+                apply(&ctx, &lanes, &live, &new).await;
+            }
+            rebalanced = Instant::now();
+        }
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credit_is_split_half_evenly_half_by_load_never_above_the_total_and_at_least_one_each() {
+        assert_eq!(split(32, &[0, 0]), [16, 16]);
+        assert_eq!(split(32, &[0, 0, 0]).iter().sum::<u32>(), 32);
+        assert_eq!(split(32, &[300, 100]), [20, 12]);
+        assert_eq!(split(10, &[1000, 0, 0]), [7, 2, 1]);
+        assert_eq!(split(1, &[0]), [1]);
+        for (total, weights) in [
+            (1u32, vec![7u64]),
+            (7, vec![1, 2, 3]),
+            (100, vec![0, 1, 99, 5]),
+        ] {
+            let s = split(total, &weights);
+            assert_eq!(s.iter().sum::<u32>(), total, "{total} {weights:?} -> {s:?}");
+            assert!(s.iter().all(|&c| c >= 1), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn small_moves_of_credit_are_not_worth_reopening_for() {
+        assert!(!worth_it(&[16, 16], &[17, 15]));
+        assert!(worth_it(&[16, 16], &[22, 10]));
+        assert!(!worth_it(&[2, 2], &[3, 1]));
+    }
+}
