@@ -1,6 +1,7 @@
 //! Workers over several gateways: streams that end at their age spread over
 //! gateways started later; a gateway killed under load costs no job and little
-//! latency; a stream behind a proxy that went silent is reopened elsewhere.
+//! latency; a stream behind a proxy that went silent is reopened elsewhere; a
+//! worker under load streams from several gateways within its credit.
 
 use crate::common;
 
@@ -34,6 +35,8 @@ fn worker(addrs: &str, job_type: &str, credit: u32, handled: &Handled) -> JobWor
     })
     .max_jobs_active(credit)
     .timeout(Duration::from_secs(5))
+    // One stream per worker process, as the scenarios count them.
+    .max_streams(1)
     .spawn()
     .expect("worker")
 }
@@ -335,5 +338,88 @@ async fn a_stream_behind_a_silent_proxy_is_reopened_elsewhere_within_10_s() {
     eprintln!("reopened {reopened:?} after the proxy went silent");
     assert!(reopened < Duration::from_secs(10));
     all_handled(&made, &handled, 0).await;
+    w.shutdown().await;
+}
+
+/// One worker over two gateways whose credit stays fully used opens a second
+/// stream on the other gateway, splits its credit between them (never stating more
+/// than its own), is pushed jobs through both, and closes the second once idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_worker_streams_from_a_second_gateway_within_its_credit_and_closes_it_when_idle() {
+    let _g = serial().await;
+    let mut cluster = Cluster::start(ClusterOpts::one_broker(2)).await;
+    cluster.add_gateway();
+    for i in 0..2 {
+        cluster
+            .client_of(i)
+            .topology()
+            .await
+            .expect("gateway serves");
+    }
+    let client = Client::connect(&cluster.gateway_addrs.join(","))
+        .expect("client")
+        .with_retry_budget(Duration::from_secs(20));
+    let handled = Handled::default();
+    let h = handled.clone();
+    let credit = 16;
+    let w = JobWorker::builder(client, "lanes", move |job: ActivatedJob| {
+        let h = h.clone();
+        async move {
+            // Slow enough that the credit is all in use under the load below.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            h.lock().unwrap().insert(job.key, now_ms());
+            Ok::<_, String>(JobOutcome::complete())
+        }
+    })
+    .max_jobs_active(credit)
+    .stream_prune_after(Duration::from_secs(3))
+    .spawn()
+    .expect("worker");
+    wait_until(
+        Duration::from_secs(20),
+        "the first stream is open",
+        || async { streams(&cluster).await.iter().sum::<f64>() == 1.0 },
+    )
+    .await;
+    let producer = cluster.client_of(0);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let made = produce(&producer, "lanes", 1200, stop.clone());
+    wait_until(
+        Duration::from_secs(20),
+        "a stream on each gateway",
+        || async { streams(&cluster).await == [1.0, 1.0] },
+    )
+    .await;
+    let before = pushed(&cluster).await;
+    let mut seen = Vec::new();
+    for _ in 0..40 {
+        let stated = w.metrics().snapshot().stream_credit;
+        assert!(
+            stated <= u64::from(credit),
+            "the streams state {stated} credit in all, more than the worker's {credit}"
+        );
+        seen.push(stated);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let after = pushed(&cluster).await;
+    stop.cancel();
+    let made = made.await.expect("producer");
+    for (a, b) in after.iter().zip(&before) {
+        assert!(a > b, "both gateways push: {before:?} -> {after:?}");
+    }
+    all_handled(&made, &handled, 0).await;
+    wait_until(
+        Duration::from_secs(20),
+        "back to one stream once idle",
+        || async { streams(&cluster).await.iter().sum::<f64>() == 1.0 },
+    )
+    .await;
+    let m = w.metrics().snapshot();
+    eprintln!("credit stated while both streams were open: {seen:?}; {m:?}");
+    assert_eq!(m.streams_open, 1);
+    assert_eq!(
+        m.given_back_no_capacity, 0,
+        "no gateway pushed into room the worker did not have"
+    );
     w.shutdown().await;
 }
