@@ -272,7 +272,8 @@ async fn a_gateway_killed_under_load_loses_no_job_and_pushes_go_on() {
 
 /// A worker's stream goes through a proxy that stops forwarding without closing
 /// anything: the heartbeats stop, and within 10 s the worker has reopened its
-/// stream on the other gateway and is pushed jobs there.
+/// stream on the other gateway and is pushed jobs there, and the gateway behind
+/// the proxy, no longer told the stream is read, has ended it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_behind_a_silent_proxy_is_reopened_elsewhere_within_10_s() {
     let _g = serial().await;
@@ -333,9 +334,32 @@ async fn a_stream_behind_a_silent_proxy_is_reopened_elsewhere_within_10_s() {
         },
     )
     .await;
+    // The gateway behind the silent proxy has heard nothing from the worker since
+    // either: it ends the stream, so no more jobs are pushed into it.
+    wait_until(
+        Duration::from_secs(10).saturating_sub(frozen.elapsed()),
+        "the gateway behind the silent proxy ends the stream",
+        || async {
+            cluster
+                .gateway_metric(
+                    on,
+                    "courier_gateway_streams_ended_total{reason=\"stalled\"}",
+                )
+                .await
+                == 1.0
+                && cluster
+                    .gateway_metric(on, "courier_gateway_stream_clients")
+                    .await
+                    == 0.0
+        },
+    )
+    .await;
+    let ended = frozen.elapsed();
     stop.cancel();
     let made = made.await.expect("producer");
-    eprintln!("reopened {reopened:?} after the proxy went silent");
+    eprintln!(
+        "reopened {reopened:?} after the proxy went silent; the gateway behind it ended the stream after {ended:?}"
+    );
     assert!(reopened < Duration::from_secs(10));
     all_handled(&made, &handled, 0).await;
     w.shutdown().await;

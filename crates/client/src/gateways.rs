@@ -249,6 +249,37 @@ impl StreamGateway {
         }
     }
 
+    /// Tells this gateway every `every` (the stream's heartbeat) that stream `id` is
+    /// read, through the same connection: when that connection stops carrying
+    /// anything, the gateway notices and gives the stream's jobs back. Runs until
+    /// dropped, or until the gateway no longer knows the stream.
+    pub(crate) fn say_alive(
+        &self,
+        id: u64,
+        every: Duration,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut jobs = self.member.jobs.clone();
+        async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let mut request =
+                    tonic::Request::new(courier_proto::courier_v1::StreamAliveRequest {
+                        stream_id: id,
+                    });
+                request.set_timeout(every);
+                match jobs.stream_alive(request).await {
+                    Ok(r) if !r.get_ref().open => return,
+                    Ok(_) => {}
+                    // A gateway without StreamAlive never will have it.
+                    Err(s) if s.code() == tonic::Code::Unimplemented => return,
+                    Err(_) => {}
+                }
+            }
+        }
+    }
+
     /// Takes note of how the stream broke: a gateway that is gone is passed over.
     pub(crate) fn broke(&self, status: &Status) {
         if unreachable(status) {

@@ -218,13 +218,18 @@ fn build() -> prometheus::Result<Metrics> {
         streams_ended: IntCounterVec::new(
             Opts::new(
                 "courier_gateway_streams_ended_total",
-                "Job streams the gateway ended for its clients to reopen, by reason (max_age, \
-                 shutdown, asked)",
+                "Job streams the gateway ended, by reason (max_age, shutdown, asked, stalled: \
+                 their client silent for three heartbeats)",
             ),
             &["reason"],
         )?,
     };
-    for reason in [STREAM_END_MAX_AGE, STREAM_END_SHUTDOWN, STREAM_END_ASKED] {
+    for reason in [
+        STREAM_END_MAX_AGE,
+        STREAM_END_SHUTDOWN,
+        STREAM_END_ASKED,
+        STREAM_END_STALLED,
+    ] {
         m.streams_ended.with_label_values(&[reason]);
     }
     for bound in crate::admission::Bound::ALL {
@@ -427,6 +432,8 @@ pub const STREAM_END_MAX_AGE: &str = "max_age";
 pub const STREAM_END_SHUTDOWN: &str = "shutdown";
 /// The label of a stream ended because its client asked (`EndStream`).
 pub const STREAM_END_ASKED: &str = "asked";
+/// The label of a stream ended because its client went silent.
+pub const STREAM_END_STALLED: &str = "stalled";
 
 /// Counts a job stream ended for its client to reopen, by `reason`.
 pub fn stream_ended(reason: &'static str) {

@@ -31,6 +31,9 @@ pub const STREAM_END_MAX_AGE: &str = "max-age";
 /// [`STREAM_END_HEADER`]: the client asked for the end (`EndStream`).
 pub const STREAM_END_ASKED: &str = "asked";
 
+/// [`STREAM_END_HEADER`]: the client stopped saying it reads the stream.
+pub const STREAM_END_STALLED: &str = "stalled";
+
 /// [`STREAM_END_HEADER`]: the gateway is shutting down; reopen on another one.
 pub const STREAM_END_SHUTDOWN: &str = "shutdown";
 

@@ -108,6 +108,13 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, lanes: Arc<Lanes>, lane: Arc<Lane
                 state(StreamState::Open);
                 tracing::debug!(job_type = %c.job_type, gateway = open.gateway.addr(), credit, "job stream open");
                 let opened_at = Instant::now();
+                // Aborted when this stream ends, however it ends.
+                let _saying_alive = match (open.id, open.heartbeat) {
+                    (Some(id), Some(every)) => {
+                        Some(AbortOnDrop(tokio::spawn(open.gateway.say_alive(id, every))))
+                    }
+                    _ => None,
+                };
                 // A gateway that keeps no heartbeat cannot be told from a stall.
                 let stall_after = open.heartbeat.map(|h| h * STALL_AFTER_BEATS);
                 let ended = loop {
@@ -231,6 +238,15 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, lanes: Arc<Lanes>, lane: Arc<Lane
             () = tokio::time::sleep(delay) => {}
             () = lane.close.cancelled() => return,
         }
+    }
+}
+
+/// A task that stops when its handle is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

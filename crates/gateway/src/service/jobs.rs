@@ -110,6 +110,20 @@ impl Jobs for JobsService {
         })
         .await
     }
+
+    async fn stream_alive(
+        &self,
+        request: tonic::Request<v1::StreamAliveRequest>,
+    ) -> Result<Response<v1::StreamAliveResponse>, Status> {
+        let id = request.get_ref().stream_id;
+        let span = tracing::trace_span!("StreamAlive", stream = id);
+        unary("StreamAlive", span, async {
+            Ok(v1::StreamAliveResponse {
+                open: self.0.endable.alive(id),
+            })
+        })
+        .await
+    }
 }
 
 /// Validates a CreateJobs batch; errors name the offending entry.

@@ -7,14 +7,15 @@
 //! a client may also ask for the end of one of its streams (`EndStream`, by the id
 //! it was told), to reopen it with other credit or close it without losing the
 //! jobs on their way. A client that asks gets heartbeats, so it notices a stream
-//! that went silent.
+//! that went silent; one that also says now and then that it reads the stream
+//! (`StreamAlive`) has it ended when it stops, so the gateway notices too.
 
 use super::*;
 use crate::admission::Place;
 use crate::streams::ClientStream;
 use courier_proto::headers::{
     HEARTBEAT_HEADER, HEARTBEAT_KEY, STREAM_END_ASKED, STREAM_END_HEADER, STREAM_END_MAX_AGE,
-    STREAM_END_SHUTDOWN, STREAM_ID_HEADER, STREAM_REOPENS_HEADER,
+    STREAM_END_SHUTDOWN, STREAM_END_STALLED, STREAM_ID_HEADER, STREAM_REOPENS_HEADER,
 };
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -29,42 +30,61 @@ const AGE_JITTER: f64 = 0.2;
 /// The open streams of clients that reopen, by id, for `EndStream`. Ids are random,
 /// so one client cannot guess another's.
 #[derive(Default)]
-pub(crate) struct Endable(Mutex<HashMap<u64, CancellationToken>>);
+pub(crate) struct Endable(Mutex<HashMap<u64, Handle>>);
+
+/// What a client can do to its stream from another call.
+#[derive(Clone, Default)]
+struct Handle {
+    end: CancellationToken,
+    alive: Arc<tokio::sync::Notify>,
+}
 
 impl Endable {
     /// Ends stream `id`, if it is open here.
     pub fn end(&self, id: u64) -> bool {
-        let token = self.lock().get(&id).cloned();
-        token.map(|t| t.cancel()).is_some()
+        let handle = self.lock().get(&id).cloned();
+        handle.map(|h| h.end.cancel()).is_some()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, CancellationToken>> {
+    /// Stream `id`'s client reads it: from the first such word on, the stream ends
+    /// when the word does not come for [`STALL_AFTER_BEATS`] heartbeat intervals.
+    pub fn alive(&self, id: u64) -> bool {
+        let handle = self.lock().get(&id).cloned();
+        handle.map(|h| h.alive.notify_one()).is_some()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Handle>> {
         self.0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn register(self: &Arc<Self>) -> Registered {
-        let token = CancellationToken::new();
+        let handle = Handle::default();
         let mut map = self.lock();
         let mut id = rand::random::<u64>();
         while id == 0 || map.contains_key(&id) {
             id = rand::random::<u64>();
         }
-        map.insert(id, token.clone());
+        map.insert(id, handle.clone());
         Registered {
             endable: self.clone(),
             id,
-            token,
+            handle,
         }
     }
 }
+
+/// Heartbeat intervals without a word from a client that said its stream is
+/// alive, after which the stream is taken for stalled (a proxy between that
+/// stopped forwarding while keeping the connection up).
+const STALL_AFTER_BEATS: u32 = 3;
 
 /// A stream's place in [`Endable`], given up when dropped.
 pub(super) struct Registered {
     endable: Arc<Endable>,
     id: u64,
-    token: CancellationToken,
+    handle: Handle,
 }
 
 impl Drop for Registered {
@@ -142,6 +162,8 @@ enum End {
     Removed,
     /// Its client asked for the end.
     Asked,
+    /// Its client stopped saying it is alive.
+    Stalled,
     MaxAge,
     Shutdown,
 }
@@ -156,6 +178,10 @@ impl End {
             End::Asked => (
                 STREAM_END_ASKED,
                 "the job stream was ended as its client asked",
+            ),
+            End::Stalled => (
+                STREAM_END_STALLED,
+                "the job stream's client stopped saying it reads it",
             ),
             End::MaxAge => (
                 STREAM_END_MAX_AGE,
@@ -185,6 +211,9 @@ struct Live {
     observer: Option<RequestObserver>,
     reopens: bool,
     registered: Option<Registered>,
+    /// When the stream counts as stalled, from its client's first word that it is
+    /// alive on; `None` before.
+    lease: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 /// The response stream of `client`: its jobs, heartbeats while it has none, and
@@ -210,16 +239,27 @@ pub(super) fn job_stream(
         heartbeat: beats,
         place: Some(place),
         observer: Some(observer),
+        lease: None,
     };
-    Box::pin(futures::stream::unfold(live, |mut l| async move {
+    let stall_after = life.heartbeat.map(|h| h * STALL_AFTER_BEATS);
+    Box::pin(futures::stream::unfold(live, move |mut l| async move {
         let client = l.client.as_mut()?;
-        let event = tokio::select! {
-            biased;
-            () = l.stop.cancelled() => Err(End::Shutdown),
-            () = until(&mut l.expiry) => Err(End::MaxAge),
-            () = asked(&l.registered) => Err(End::Asked),
-            job = client.next() => job.ok_or(End::Removed),
-            () = tick(&mut l.heartbeat) => Ok(heartbeat()),
+        let event = loop {
+            break tokio::select! {
+                biased;
+                () = l.stop.cancelled() => Err(End::Shutdown),
+                () = until(&mut l.expiry) => Err(End::MaxAge),
+                () = asked(&l.registered) => Err(End::Asked),
+                () = until(&mut l.lease) => Err(End::Stalled),
+                () = alive(&l.registered) => {
+                    if let Some(after) = stall_after {
+                        l.lease = Some(Box::pin(tokio::time::sleep(after)));
+                    }
+                    continue;
+                }
+                job = client.next() => job.ok_or(End::Removed),
+                () = tick(&mut l.heartbeat) => Ok(heartbeat()),
+            };
         };
         match event {
             Ok(job) => {
@@ -244,6 +284,13 @@ pub(super) fn job_stream(
                     End::MaxAge => metrics::stream_ended(metrics::STREAM_END_MAX_AGE),
                     End::Shutdown => metrics::stream_ended(metrics::STREAM_END_SHUTDOWN),
                     End::Asked => metrics::stream_ended(metrics::STREAM_END_ASKED),
+                    End::Stalled => {
+                        tracing::info!(
+                            silent_for = ?stall_after.unwrap_or_default(),
+                            "a job stream's client went silent; ending it and giving back its jobs"
+                        );
+                        metrics::stream_ended(metrics::STREAM_END_STALLED)
+                    }
                     End::Removed => {}
                 }
                 end.status(l.reopens).map(|s| (Err(s), l))
@@ -263,7 +310,15 @@ async fn until(expiry: &mut Option<Pin<Box<tokio::time::Sleep>>>) {
 /// Resolves when the client asks for the end; never for one that cannot.
 async fn asked(registered: &Option<Registered>) {
     match registered {
-        Some(r) => r.token.cancelled().await,
+        Some(r) => r.handle.end.cancelled().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves when the client says the stream is alive; never for one that cannot.
+async fn alive(registered: &Option<Registered>) {
+    match registered {
+        Some(r) => r.handle.alive.notified().await,
         None => std::future::pending().await,
     }
 }

@@ -255,3 +255,53 @@ async fn a_client_that_reopens_may_end_its_stream_by_the_id_it_was_told() {
     assert_eq!(s.yielded(), [2], "what it had not sent goes back");
     assert!(!endable.end(id), "an ended stream is forgotten");
 }
+
+/// A stream of a client that reopens, with heartbeats every `every`, and its id.
+fn registered(endable: &Arc<Endable>, every: Duration) -> (Life, u64) {
+    let mut md = tonic::metadata::MetadataMap::new();
+    md.insert("courier-stream-reopens", "1".parse().unwrap());
+    md.insert(
+        "courier-heartbeat-ms",
+        (every.as_millis() as u64).to_string().parse().unwrap(),
+    );
+    let life = Life::of(None, &md, endable);
+    let mut told = tonic::metadata::MetadataMap::new();
+    life.announce(&mut told);
+    let id = told.get("courier-stream-id").unwrap().to_str().unwrap();
+    let id = id.parse().unwrap();
+    (life, id)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_said_it_reads_and_went_silent_has_its_stream_ended() {
+    let s = setup();
+    let endable = Arc::new(Endable::default());
+    let every = Duration::from_secs(1);
+    let (life, id) = registered(&endable, every);
+    let (mut jobs, stream) = s.open(life);
+    // Silent from the start: never taken for stalled, it may be a client that
+    // does not say so.
+    for _ in 0..10 {
+        assert_eq!(jobs.next().await.unwrap().unwrap().key, HEARTBEAT_KEY);
+    }
+    let start = Instant::now();
+    assert!(endable.alive(id));
+    s.push(stream, 1);
+    assert_eq!(jobs.next().await.unwrap().unwrap().key, 1);
+    // Its word came once and then no more: a proxy between stopped forwarding.
+    // The gateway goes on writing (into buffers that lead nowhere) until the end.
+    s.push(stream, 2);
+    let mut sent = Vec::new();
+    let end = loop {
+        match jobs.next().await.unwrap() {
+            Ok(job) => sent.push(job.key),
+            Err(end) => break end,
+        }
+    };
+    assert_eq!(start.elapsed(), every * 3);
+    assert_eq!(sent, [2, HEARTBEAT_KEY, HEARTBEAT_KEY]);
+    assert_eq!(end_reason(&end), "stalled");
+    assert!(jobs.next().await.is_none());
+    assert_eq!(s.streams.client_count(), 0, "no more jobs go its way");
+    assert!(!endable.alive(id), "an ended stream is forgotten");
+}

@@ -146,13 +146,8 @@ impl Gateway for GatewayService {
         let life = lifetime::Life::of(self.0.stream_max_age, request.metadata(), &self.0.endable);
         let mut md = tonic::metadata::MetadataMap::new();
         life.announce(&mut md);
-        let mut response = Response::new(lifetime::job_stream(
-            client,
-            life,
-            self.0.clients.clone(),
-            place,
-            observer,
-        ));
+        let jobs = lifetime::job_stream(client, life, self.0.clients.clone(), place, observer);
+        let mut response = Response::new(jobs);
         *response.metadata_mut() = md;
         Ok(response)
     }
