@@ -447,3 +447,55 @@ async fn a_busy_worker_streams_from_a_second_gateway_within_its_credit_and_close
     );
     w.shutdown().await;
 }
+
+/// A worker reopens its stream at its own age where the gateway never ends it,
+/// asking the gateway to end the old one so no job is left on the wire: under a
+/// steady load every job is handled, none after its activation timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_reopens_its_stream_at_its_own_age_losing_no_job() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts {
+        stream_max_age: Some("off"),
+        ..ClusterOpts::one_broker(2)
+    })
+    .await;
+    let client = Client::connect(&cluster.gateway_addrs[0])
+        .expect("client")
+        .with_retry_budget(Duration::from_secs(20));
+    let handled = Handled::default();
+    let h = handled.clone();
+    let w = JobWorker::builder(client, "own-age", move |job: ActivatedJob| {
+        let h = h.clone();
+        async move {
+            h.lock().unwrap().insert(job.key, now_ms());
+            Ok::<_, String>(JobOutcome::complete())
+        }
+    })
+    // Far longer than the test: a job left on the wire would never be handled.
+    .timeout(Duration::from_secs(600))
+    .stream_max_age(Some(Duration::from_secs(2)))
+    .spawn()
+    .expect("worker");
+    wait_until(Duration::from_secs(20), "the stream is open", || async {
+        w.metrics().snapshot().streams_open == 1
+    })
+    .await;
+    let producer = cluster.client_of(0);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let made = produce(&producer, "own-age", 200, stop.clone());
+    wait_until(
+        Duration::from_secs(20),
+        "the worker reopened its stream three times",
+        || async { w.metrics().snapshot().stream_opens >= 4 },
+    )
+    .await;
+    stop.cancel();
+    let made = made.await.expect("producer");
+    all_handled(&made, &handled, 0).await;
+    let asked = cluster
+        .gateway_metric(0, "courier_gateway_streams_ended_total{reason=\"asked\"}")
+        .await;
+    assert!(asked >= 3.0, "the gateway ended them as asked: {asked}");
+    assert_eq!(w.metrics().snapshot().stream_failures, 0);
+    w.shutdown().await;
+}

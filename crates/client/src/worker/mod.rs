@@ -151,6 +151,10 @@ type Reported = Arc<dyn Fn(i64, &JobOutcome, Result<(), &ClientError>) + Send + 
 type HandlerFuture = Pin<Box<dyn Future<Output = Result<JobOutcome, String>> + Send>>;
 type Handler = Arc<dyn Fn(ActivatedJob) -> HandlerFuture + Send + Sync>;
 
+/// The default age at which the worker reopens a stream itself: past a gateway's
+/// default (10 minutes), so it acts only where the gateway never ends streams.
+pub const STREAM_MAX_AGE: Duration = Duration::from_secs(15 * 60);
+
 /// The default heartbeat interval asked for on the stream: a stall is seen within
 /// three of them.
 pub const STREAM_HEARTBEAT: Duration = Duration::from_secs(2);
@@ -172,6 +176,9 @@ struct Config {
     max_streams: usize,
     /// How long a stream beside others may carry nothing before it is closed.
     prune_after: Duration,
+    /// Age at which the worker reopens a stream itself (less up to a fifth at
+    /// random), in case its gateway never ends it.
+    stream_max_age: Option<Duration>,
 }
 
 /// Builds a [`JobWorker`]: [`JobWorker::builder`], options, then
@@ -238,6 +245,15 @@ impl JobWorkerBuilder {
     /// the streams were not pushed, and splits max jobs active between them.
     pub fn max_streams(mut self, max: usize) -> Self {
         self.config.max_streams = max.max(1);
+        self
+    }
+
+    /// Age at which the worker reopens a stream itself, less up to a fifth at
+    /// random (default 15 minutes; `None`: never), without losing a job on the
+    /// way: streams move to gateways added since even where the gateway never
+    /// ends them, and never outlive the proxies between.
+    pub fn stream_max_age(mut self, age: Option<Duration>) -> Self {
+        self.config.stream_max_age = age;
         self
     }
 
@@ -418,6 +434,7 @@ impl JobWorker {
                 heartbeat: Some(STREAM_HEARTBEAT),
                 max_streams: lanes::MAX_STREAMS,
                 prune_after: lanes::PRUNE_AFTER,
+                stream_max_age: Some(STREAM_MAX_AGE),
             },
             handler,
             reported: None,

@@ -117,7 +117,16 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, lanes: Arc<Lanes>, lane: Arc<Lane
                 };
                 // A gateway that keeps no heartbeat cannot be told from a stall.
                 let stall_after = open.heartbeat.map(|h| h * STALL_AFTER_BEATS);
+                let old_at = c
+                    .stream_max_age
+                    .map(|age| opened_at + age.mul_f64(1.0 - 0.2 * rand::random::<f64>()));
                 let ended = loop {
+                    let old = async {
+                        match old_at {
+                            Some(at) => tokio::time::sleep_until(at).await,
+                            None => std::future::pending().await,
+                        }
+                    };
                     let silence = async {
                         match stall_after {
                             Some(d) => tokio::time::sleep(d).await,
@@ -138,6 +147,10 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, lanes: Arc<Lanes>, lane: Arc<Lane
                         () = lane.resized.notified() => {
                             end_and_drain(&ctx, &lanes, &lane, &mut open).await;
                             break Ended::Resized;
+                        }
+                        () = old => {
+                            end_and_drain(&ctx, &lanes, &lane, &mut open).await;
+                            break Ended::Moved { leaving: false };
                         }
                         () = lane.close.cancelled() => {
                             // The worker closes this one of its streams: the jobs
@@ -169,7 +182,7 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, lanes: Arc<Lanes>, lane: Arc<Lane
                         tracing::debug!(
                             gateway = open.gateway.addr(),
                             leaving,
-                            "the gateway ended the job stream on purpose; reopening at once"
+                            "the job stream ended on purpose (its age, or its gateway leaving); reopening at once"
                         );
                         if leaving {
                             open.gateway.pass_over();
