@@ -300,7 +300,12 @@ fn unreachable(status: &Status) -> bool {
     if crate::retry::never_sent(status) {
         return true;
     }
-    if status.code() != tonic::Code::Unavailable {
+    // A transport error breaks a call as UNAVAILABLE, or as UNKNOWN when the
+    // connection died under it (a broken pipe): either way the gateway is gone.
+    if !matches!(
+        status.code(),
+        tonic::Code::Unavailable | tonic::Code::Unknown
+    ) {
         return false;
     }
     let mut source = std::error::Error::source(status);
