@@ -148,10 +148,20 @@ impl Lanes {
     }
 
     /// A job came through `lane`'s stream.
-    pub(super) fn carried(&self, lane: &Lane, key: i64) {
+    pub(super) fn carried(&self, ctx: &Ctx, lane: &Lane, key: i64) {
         lane.carried.fetch_add(1, Relaxed);
         lane.last_job_ms.store(self.now_ms(), Relaxed);
-        lock(&self.owners).insert(key, lane.id);
+        let owned = {
+            let mut owners = lock(&self.owners);
+            owners.insert(key, lane.id);
+            owners.len()
+        };
+        // Owners of jobs that finished are dropped now and then: the map stays
+        // within a few times what the worker can hold, at O(1) a job on average.
+        if owned > 4 * ctx.capacity.max() + 64 {
+            let held: HashSet<i64> = ctx.jobs_held().into_iter().map(|(k, _)| k).collect();
+            lock(&self.owners).retain(|k, _| held.contains(k));
+        }
     }
 
     /// Polls found `n` jobs while a stream was open.
@@ -336,6 +346,14 @@ pub(super) async fn run(ctx: Arc<Ctx>, lanes: Arc<Lanes>) {
             );
             idle.close.cancel();
             lanes.remove(idle.id);
+            // Its credit goes to the others once its stream has ended.
+            let deadline = Instant::now() + SHRINK_WAIT;
+            while idle.open_credit.load(Relaxed) > 0 && Instant::now() < deadline {
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_millis(20)) => {}
+                    () = ctx.stop.cancelled() => break,
+                }
+            }
             let rest: Vec<Arc<Lane>> = live.iter().filter(|l| l.id != idle.id).cloned().collect();
             let shares = split(total, &vec![0; rest.len()]);
             apply(&ctx, &lanes, &rest, &shares).await;

@@ -137,7 +137,7 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, lanes: Arc<Lanes>, lane: Arc<Lane
                         m = open.jobs.message() => match m {
                             Ok(Some(job)) if job.key == HEARTBEAT_KEY => {}
                             Ok(Some(job)) => {
-                                lanes.carried(&lane, job.key);
+                                lanes.carried(&ctx, &lane, job.key);
                                 ctx.receive(job, JobPath::Push);
                             }
                             Ok(None) => break Ended::Closed,
@@ -281,7 +281,7 @@ async fn end_and_drain(ctx: &Arc<Ctx>, lanes: &Lanes, lane: &Lane, open: &mut Op
             m = open.jobs.message() => match m {
                 Ok(Some(job)) if job.key == HEARTBEAT_KEY => {}
                 Ok(Some(job)) => {
-                    lanes.carried(lane, job.key);
+                    lanes.carried(ctx, lane, job.key);
                     ctx.receive(job, JobPath::Push);
                 }
                 Ok(None) | Err(_) => return,
