@@ -77,6 +77,15 @@ fn produce(
     })
 }
 
+/// The kill scenario's load in jobs/s: CI's short run keeps it light for a debug
+/// build; `benchmarks/gateways.sh` sets `COURIER_KILL_RATE` to the scenario's 2,000.
+fn kill_rate() -> u32 {
+    std::env::var("COURIER_KILL_RATE")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(1000)
+}
+
 /// Jobs each gateway pushed so far.
 async fn pushed(cluster: &Cluster) -> Vec<f64> {
     cluster
@@ -228,7 +237,8 @@ async fn a_gateway_killed_under_load_loses_no_job_and_pushes_go_on() {
     .expect("producer")
     .with_retry_budget(Duration::from_secs(20));
     let stop = tokio_util::sync::CancellationToken::new();
-    let made = produce(&producer, "kill", 1000, stop.clone());
+    let rate = kill_rate();
+    let made = produce(&producer, "kill", rate, stop.clone());
     tokio::time::sleep(Duration::from_secs(3)).await;
     let pushed_before = cluster
         .gateway_metric(victim, "courier_gateway_jobs_pushed_total")
@@ -245,7 +255,7 @@ async fn a_gateway_killed_under_load_loses_no_job_and_pushes_go_on() {
         "the gateway killed was pushing: {held:?}"
     );
     eprintln!(
-        "streams before the kill {held:?}; {} jobs in all, {} created after the kill: p50 {p50} ms, p99 {p99} ms, max {} ms",
+        "at {rate} jobs/s asked, streams before the kill {held:?}; {} jobs in all, {} created after the kill: p50 {p50} ms, p99 {p99} ms, max {} ms",
         made.len(),
         after.len(),
         after.last().copied().unwrap_or_default()
