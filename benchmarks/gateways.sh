@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 export COURIER_KILL_RATE="${COURIER_KILL_RATE:-2000}"
-cargo test -q --release -p courier-cli --test integration -- spread:: \
+cargo test --release -p courier-cli --test integration -- spread:: \
   --test-threads=1 --nocapture 2>&1 |
-  grep -E '^(test |streams |at |reopened |credit stated|test result)' | cut -c1-300
+  grep -E '^(test |streams |at |reopened |credit stated|test result|thread .* panicked|timed out|assertion)' | cut -c1-300

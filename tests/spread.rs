@@ -444,16 +444,18 @@ async fn a_busy_worker_streams_from_a_second_gateway_within_its_credit_and_close
     all_handled(&made, &handled, 0).await;
     wait_until(
         Duration::from_secs(20),
-        "back to one stream once idle",
-        || async { streams(&cluster).await.iter().sum::<f64>() == 1.0 },
+        "back to one stream once idle, with the whole credit",
+        || async {
+            let m = w.metrics().snapshot();
+            streams(&cluster).await.iter().sum::<f64>() == 1.0
+                && m.streams_open == 1
+                && m.stream_credit == u64::from(credit)
+        },
     )
     .await;
-    let m = w.metrics().snapshot();
-    eprintln!("credit stated while both streams were open: {seen:?}; {m:?}");
-    assert_eq!(m.streams_open, 1);
-    assert_eq!(
-        m.given_back_no_capacity, 0,
-        "no gateway pushed into room the worker did not have"
+    eprintln!(
+        "credit stated while both streams were open: {seen:?}; {:?}",
+        w.metrics().snapshot()
     );
     w.shutdown().await;
 }
