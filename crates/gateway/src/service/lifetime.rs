@@ -19,6 +19,7 @@ use courier_proto::headers::{
 };
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::task::Poll;
 
 /// The shortest and longest heartbeat interval a client may ask for.
 const HEARTBEAT_BOUNDS: (Duration, Duration) =
@@ -204,16 +205,69 @@ impl End {
 /// One stream while it lives.
 struct Live {
     client: Option<ClientStream>,
-    stop: CancellationToken,
-    expiry: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Resolves with the end the stream's life sets (shutdown, age, the client's
+    /// word or its silence). Kept across items, so a job costs no registration of
+    /// waiters; polled before the jobs only every [`CONTROL_EVERY`] items while
+    /// jobs keep coming.
+    control: Pin<Box<dyn Future<Output = End> + Send>>,
     heartbeat: Option<tokio::time::Interval>,
+    /// When the last job went out, to leave out heartbeats while jobs flow.
+    last_job: Instant,
+    every: Duration,
+    /// Items since the control was last looked at first.
+    turn: u32,
     place: Option<Place>,
     observer: Option<RequestObserver>,
     reopens: bool,
+}
+
+/// While jobs keep coming, the control is looked at first once in this many items.
+const CONTROL_EVERY: u32 = 32;
+
+/// What ends a stream other than its client leaving, as one future.
+fn control(
+    stop: CancellationToken,
+    max_age: Option<Duration>,
     registered: Option<Registered>,
-    /// When the stream counts as stalled, from its client's first word that it is
-    /// alive on; `None` before.
-    lease: Option<Pin<Box<tokio::time::Sleep>>>,
+    stall_after: Option<Duration>,
+) -> Pin<Box<dyn Future<Output = End> + Send>> {
+    // The age counts from now, not from the control's first poll.
+    let old = max_age.map(tokio::time::sleep);
+    Box::pin(async move {
+        let asked = async {
+            match &registered {
+                Some(r) => r.handle.end.cancelled().await,
+                None => std::future::pending().await,
+            }
+        };
+        // From the client's first word that it reads on, silence for
+        // `stall_after` ends the stream.
+        let silent = async {
+            let (Some(r), Some(after)) = (&registered, stall_after) else {
+                return std::future::pending().await;
+            };
+            r.handle.alive.notified().await;
+            loop {
+                tokio::select! {
+                    () = r.handle.alive.notified() => {}
+                    () = tokio::time::sleep(after) => return,
+                }
+            }
+        };
+        let old = async {
+            match old {
+                Some(sleep) => sleep.await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            () = stop.cancelled() => End::Shutdown,
+            () = old => End::MaxAge,
+            () = asked => End::Asked,
+            () = silent => End::Stalled,
+        }
+    })
 }
 
 /// The response stream of `client`: its jobs, heartbeats while it has none, and
@@ -230,43 +284,52 @@ pub(super) fn job_stream(
         i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         i
     });
+    let stall_after = life.heartbeat.map(|h| h * STALL_AFTER_BEATS);
     let live = Live {
         client: Some(client),
-        stop,
-        expiry: life.max_age.map(|age| Box::pin(tokio::time::sleep(age))),
-        reopens: life.reopens,
-        registered: life.registered,
+        control: control(stop, life.max_age, life.registered, stall_after),
         heartbeat: beats,
+        last_job: Instant::now(),
+        every: life.heartbeat.unwrap_or_default(),
+        turn: 0,
         place: Some(place),
         observer: Some(observer),
-        lease: None,
+        reopens: life.reopens,
     };
-    let stall_after = life.heartbeat.map(|h| h * STALL_AFTER_BEATS);
     Box::pin(futures::stream::unfold(live, move |mut l| async move {
         let client = l.client.as_mut()?;
-        let event = loop {
-            break tokio::select! {
-                biased;
-                () = l.stop.cancelled() => Err(End::Shutdown),
-                () = until(&mut l.expiry) => Err(End::MaxAge),
-                () = asked(&l.registered) => Err(End::Asked),
-                () = until(&mut l.lease) => Err(End::Stalled),
-                () = alive(&l.registered) => {
-                    if let Some(after) = stall_after {
-                        l.lease = Some(Box::pin(tokio::time::sleep(after)));
+        l.turn = l.turn.wrapping_add(1);
+        let early = if l.turn % CONTROL_EVERY == 0 {
+            match futures::poll!(l.control.as_mut()) {
+                Poll::Ready(end) => Some(end),
+                Poll::Pending => None,
+            }
+        } else {
+            None
+        };
+        let event = match early {
+            Some(end) => Err(end),
+            None => loop {
+                // Jobs first: a job waiting costs no look at anything else.
+                break tokio::select! {
+                    biased;
+                    job = client.next() => job.ok_or(End::Removed),
+                    end = l.control.as_mut() => Err(end),
+                    () = tick(&mut l.heartbeat) => {
+                        // A job went out within the interval: no heartbeat needed
+                        // yet (one goes at the latest two intervals after it).
+                        if l.last_job.elapsed() < l.every {
+                            continue;
+                        }
+                        Ok(heartbeat())
                     }
-                    continue;
-                }
-                job = client.next() => job.ok_or(End::Removed),
-                () = tick(&mut l.heartbeat) => Ok(heartbeat()),
-            };
+                };
+            },
         };
         match event {
             Ok(job) => {
-                if job.key != HEARTBEAT_KEY {
-                    if let Some(h) = &mut l.heartbeat {
-                        h.reset();
-                    }
+                if job.key != HEARTBEAT_KEY && l.heartbeat.is_some() {
+                    l.last_job = Instant::now();
                 }
                 Some((Ok(job), l))
             }
@@ -275,7 +338,8 @@ pub(super) fn job_stream(
                 // on the wire ahead of the status, and its worker declares it held.
                 l.client = None;
                 l.place = None;
-                l.registered = None;
+                // Gives up the stream's id with it.
+                l.control = Box::pin(std::future::pending());
                 if let Some(o) = l.observer.take() {
                     // An end the gateway chose is a normal end of the call.
                     o.finish(tonic::Code::Ok);
@@ -297,30 +361,6 @@ pub(super) fn job_stream(
             }
         }
     }))
-}
-
-/// Resolves when `expiry` passes; never without one.
-async fn until(expiry: &mut Option<Pin<Box<tokio::time::Sleep>>>) {
-    match expiry {
-        Some(sleep) => sleep.as_mut().await,
-        None => std::future::pending().await,
-    }
-}
-
-/// Resolves when the client asks for the end; never for one that cannot.
-async fn asked(registered: &Option<Registered>) {
-    match registered {
-        Some(r) => r.handle.end.cancelled().await,
-        None => std::future::pending().await,
-    }
-}
-
-/// Resolves when the client says the stream is alive; never for one that cannot.
-async fn alive(registered: &Option<Registered>) {
-    match registered {
-        Some(r) => r.handle.alive.notified().await,
-        None => std::future::pending().await,
-    }
 }
 
 /// Resolves at the next heartbeat; never without heartbeats.

@@ -126,10 +126,11 @@ async fn an_idle_stream_carries_heartbeats_and_a_job_puts_the_next_off() {
     let after_job = Instant::now();
     let beat = jobs.next().await.unwrap().unwrap();
     assert_eq!(beat.key, HEARTBEAT_KEY);
-    assert_eq!(
-        after_job.elapsed(),
-        every,
-        "a job restarts the heartbeat interval"
+    // The tick half an interval after the job is left out; the next one goes.
+    assert!(
+        after_job.elapsed() >= every && after_job.elapsed() < every * 2,
+        "a job puts the heartbeat off by one to two intervals: {:?}",
+        after_job.elapsed()
     );
 }
 
@@ -142,16 +143,18 @@ async fn without_a_heartbeat_asked_for_an_idle_stream_is_silent() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_stream_ends_at_its_age_with_a_status_to_reopen_on_and_gives_back_its_buffer() {
+async fn a_stream_ends_at_its_age_with_a_status_to_reopen_on_after_what_it_holds() {
     let mut s = setup();
     let age = Duration::from_secs(60);
     let (mut jobs, id) = s.open(life(Some(age), None));
     s.push(id, 1);
     assert_eq!(jobs.next().await.unwrap().unwrap().key, 1);
     let start = Instant::now();
-    // Buffered while nobody reads: still the gateway's when the stream ends.
     tokio::time::sleep(age).await;
+    // Buffered when the age passed: it goes out ahead of the status, and the
+    // client, which reads until the status, takes it.
     s.push(id, 2);
+    assert_eq!(jobs.next().await.unwrap().unwrap().key, 2);
     let end = jobs.next().await.unwrap().unwrap_err();
     assert!(start.elapsed() <= age);
     assert_eq!(end.code(), tonic::Code::Unavailable);
@@ -160,8 +163,8 @@ async fn a_stream_ends_at_its_age_with_a_status_to_reopen_on_and_gives_back_its_
     assert_eq!(s.streams.client_count(), 0);
     assert_eq!(
         s.yielded(),
-        [2],
-        "the job it buffered goes back to its broker"
+        Vec::<i64>::new(),
+        "nothing was left to give back"
     );
 }
 
@@ -248,11 +251,16 @@ async fn a_client_that_reopens_may_end_its_stream_by_the_id_it_was_told() {
     s.push(stream, 2);
     assert!(!endable.end(id ^ 1), "another id ends nothing");
     assert!(endable.end(id));
+    assert_eq!(
+        jobs.next().await.unwrap().unwrap().key,
+        2,
+        "what it holds goes out ahead of the end"
+    );
     let end = jobs.next().await.unwrap().unwrap_err();
     assert_eq!(end.code(), tonic::Code::Unavailable);
     assert_eq!(end_reason(&end), "asked");
     assert!(jobs.next().await.is_none());
-    assert_eq!(s.yielded(), [2], "what it had not sent goes back");
+    assert_eq!(s.yielded(), Vec::<i64>::new());
     assert!(!endable.end(id), "an ended stream is forgotten");
 }
 
