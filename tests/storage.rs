@@ -1,7 +1,8 @@
 //! Storage faults are fail-stop: a broker whose data directory (a real tmpfs) runs
-//! out of space stops its replicas for good, leaves leadership, says it is unhealthy
-//! (health service, topology, metric, `courier status`), and after the space is
-//! freed a restart recovers with no acknowledged job lost.
+//! out of space, or whose flushes fail with EIO (libc's fdatasync and fsync made to
+//! fail in the broker's process), stops its replicas for good, leaves leadership,
+//! says it is unhealthy (health service, topology, metric, `courier status`), and
+//! once the fault is gone a restart recovers with no acknowledged job lost.
 
 use crate::common;
 
@@ -116,14 +117,68 @@ async fn assert_all_activatable(c: &Client, keys: &[i64]) {
     }
 }
 
+/// How broker 1's storage is made to fail, and made whole again.
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    /// Its data directory, a small tmpfs, is filled: writes fail with ENOSPC.
+    DiskFull,
+    /// Its flushes (fdatasync, fsync) fail with EIO, as a failing device's do.
+    FlushFails,
+}
+
+impl Fault {
+    fn opts(self) -> ClusterOpts {
+        match self {
+            Fault::DiskFull => ClusterOpts {
+                tmpfs: Some((1, "64m")),
+                ..ClusterOpts::default()
+            },
+            Fault::FlushFails => ClusterOpts {
+                faulty_disk: Some(1),
+                ..ClusterOpts::default()
+            },
+        }
+    }
+
+    fn inject(self, cluster: &Cluster) {
+        match self {
+            Fault::DiskFull => {
+                let filled = cluster.tmpfs[&1].fill();
+                eprintln!("broker 1's disk filled with {filled} bytes");
+            }
+            Fault::FlushFails => cluster.faulty_disk.as_ref().expect("faulty disk").fail(),
+        }
+    }
+
+    fn heal(self, cluster: &Cluster) {
+        match self {
+            Fault::DiskFull => cluster.tmpfs[&1].free(),
+            Fault::FlushFails => cluster.faulty_disk.as_ref().expect("faulty disk").heal(),
+        }
+    }
+
+    /// What the broker's error says.
+    fn message(self) -> &'static str {
+        match self {
+            Fault::DiskFull => "No space left on device",
+            Fault::FlushFails => "Input/output error",
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_whose_disk_fills_stops_for_good_and_its_peers_serve_on() {
+    a_broker_whose_storage_fails_stops_for_good_and_its_peers_serve_on(Fault::DiskFull).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_whose_flushes_fail_with_eio_stops_for_good_and_its_peers_serve_on() {
+    a_broker_whose_storage_fails_stops_for_good_and_its_peers_serve_on(Fault::FlushFails).await;
+}
+
+async fn a_broker_whose_storage_fails_stops_for_good_and_its_peers_serve_on(fault: Fault) {
     let _g = serial().await;
-    let mut cluster = Cluster::start(ClusterOpts {
-        tmpfs: Some((1, "64m")),
-        ..ClusterOpts::default()
-    })
-    .await;
+    let mut cluster = Cluster::start(fault.opts()).await;
     // Broker 1 is partition 1's preferred leader: it leads once settled, so the
     // fault hits a leader.
     wait_until(
@@ -136,9 +191,8 @@ async fn a_broker_whose_disk_fills_stops_for_good_and_its_peers_serve_on() {
     let producers = Producers::start(&c, "stored", 3);
     producers.wait_for_more(200, "jobs are acknowledged").await;
 
-    let filled = cluster.tmpfs[&1].fill();
+    fault.inject(&cluster);
     let full_at = Instant::now();
-    eprintln!("broker 1's disk filled with {filled} bytes");
     wait_until(
         Duration::from_secs(15),
         "broker 1 reports its storage failed",
@@ -146,7 +200,7 @@ async fn a_broker_whose_disk_fills_stops_for_good_and_its_peers_serve_on() {
     )
     .await;
     let failure = storage_failure(&cluster, 1).await.unwrap();
-    assert!(failure.contains("No space left on device"), "{failure}");
+    assert!(failure.contains(fault.message()), "{failure}");
     // It leaves leadership, and the others lead every partition.
     wait_until(
         Duration::from_secs(10),
@@ -158,7 +212,7 @@ async fn a_broker_whose_disk_fills_stops_for_good_and_its_peers_serve_on() {
     )
     .await;
     eprintln!(
-        "partitions led elsewhere {:?} after the disk filled",
+        "partitions led elsewhere {:?} after the fault ({fault:?})",
         full_at.elapsed()
     );
     let t = cluster.broker_topology(1).await.unwrap();
@@ -200,9 +254,10 @@ async fn a_broker_whose_disk_fills_stops_for_good_and_its_peers_serve_on() {
     );
     assert!(!log.contains("panicked"), "{log}");
 
-    // Space freed, a restart recovers: it catches up and every job is there once.
+    // The fault gone (space freed, the device replaced), a restart recovers: it
+    // catches up and every job is there once.
     cluster.kill_broker(1);
-    cluster.tmpfs[&1].free();
+    fault.heal(&cluster);
     cluster.start_broker(1);
     wait_until(Duration::from_secs(30), "broker 1 is back", || async {
         cluster.broker_topology(1).await.is_some_and(|t| {

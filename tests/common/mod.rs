@@ -82,6 +82,8 @@ pub struct ClusterOpts {
     pub secure: Option<std::sync::Arc<secure::Secure>>,
     /// A broker whose data directory is a tmpfs of the given size (`64m`), to fill.
     pub tmpfs: Option<(u64, &'static str)>,
+    /// A broker whose flushes can be made to fail with EIO ([`disk::FaultyDisk`]).
+    pub faulty_disk: Option<u64>,
     /// `--snapshot-every-bytes` of every broker (None: its default).
     pub snapshot_every_bytes: Option<u64>,
     /// `--max-partition-bytes` of every broker (None: its default).
@@ -108,6 +110,7 @@ impl Default for ClusterOpts {
             election_timeout: None,
             secure: None,
             tmpfs: None,
+            faulty_disk: None,
             snapshot_every_bytes: None,
             max_partition_bytes: None,
             payload_memory_budget: None,
@@ -142,6 +145,11 @@ impl Proc {
 
     /// Starts `courier ARGS`, its stdout and stderr appended to `log`.
     pub fn spawn(args: &[String], log: PathBuf) -> Proc {
+        Self::spawn_with_env(args, log, &[])
+    }
+
+    /// [`Proc::spawn`] with `env` added to the environment.
+    pub fn spawn_with_env(args: &[String], log: PathBuf, env: &[(String, String)]) -> Proc {
         let out = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -154,6 +162,7 @@ impl Proc {
             // Each test says how many threads its processes run, not the shell.
             .env_remove("COURIER_WORKER_THREADS")
             .env_remove("TOKIO_WORKER_THREADS")
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -239,6 +248,8 @@ pub struct Cluster {
     /// The tmpfs data directory of a broker ([`ClusterOpts::tmpfs`]), unmounted
     /// after every process is gone.
     pub tmpfs: BTreeMap<u64, disk::Tmpfs>,
+    /// The disk of [`ClusterOpts::faulty_disk`].
+    pub faulty_disk: Option<disk::FaultyDisk>,
 }
 
 impl Cluster {
@@ -264,7 +275,11 @@ impl Cluster {
             gateway_metrics: vec![format!("127.0.0.1:{}", free_port())],
             gateway_addr,
             tmpfs: BTreeMap::new(),
+            faulty_disk: None,
         };
+        if c.opts.faulty_disk.is_some() {
+            c.faulty_disk = Some(disk::FaultyDisk::build(c.dir.path()));
+        }
         if let Some((id, size)) = c.opts.tmpfs {
             c.tmpfs
                 .insert(id, disk::Tmpfs::mount(&c.data_dir(id), size));
@@ -355,7 +370,12 @@ impl Cluster {
             args.extend(s.cluster_args("broker"));
         }
         let log = self.dir.path().join(format!("broker-{id}.log"));
-        self.brokers.insert(id, Proc::spawn(&args, log));
+        let env = match &self.faulty_disk {
+            Some(disk) if self.opts.faulty_disk == Some(id) => disk.env(),
+            _ => Vec::new(),
+        };
+        self.brokers
+            .insert(id, Proc::spawn_with_env(&args, log, &env));
     }
 
     fn worker_threads_args(&self) -> Vec<String> {
