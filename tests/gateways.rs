@@ -107,3 +107,61 @@ async fn a_host_name_reaches_the_gateways_it_resolves_to() {
         "resolved: {addrs:?}"
     );
 }
+
+/// `courier dev --gateways 3` serves three gateways on consecutive ports in one
+/// process: each answers, a job created through one is activated through another,
+/// and Ctrl-C (SIGTERM) stops it cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn courier_dev_runs_several_gateways_on_consecutive_ports() {
+    let _g = serial().await;
+    // Taken first: ports are handed out in order, and the gateways take three.
+    let metrics = format!("127.0.0.1:{}", common::free_port());
+    let first = loop {
+        let p = common::free_port();
+        let free = |q: u16| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok();
+        if p < u16::MAX - 2 && free(p + 1) && free(p + 2) {
+            break p;
+        }
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let args: Vec<String> = [
+        "dev",
+        "--gateways",
+        "3",
+        "--gateway-addr",
+        &format!("127.0.0.1:{first}"),
+        "--metrics-addr",
+        &metrics,
+        "--data-dir",
+        &dir.path().join("data").display().to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut dev = common::Proc::spawn(&args, dir.path().join("dev.log"));
+    let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", first + i)).collect();
+    let clients: Vec<Client> = addrs
+        .iter()
+        .map(|a| {
+            Client::connect(a)
+                .expect("client")
+                .with_retry_budget(Duration::from_secs(20))
+        })
+        .collect();
+    for (c, a) in clients.iter().zip(&addrs) {
+        common::wait_until(Duration::from_secs(30), &format!("{a} serves"), || async {
+            c.topology().await.is_ok_and(|t| !t.brokers.is_empty())
+        })
+        .await;
+    }
+    let key = clients[2]
+        .create_job(NewJob::new("dev-gateways"))
+        .await
+        .expect("create")
+        .key;
+    let got = clients[1]
+        .activate_jobs(courier_client::ActivateJobs::new("dev-gateways").max_jobs(1))
+        .await
+        .expect("activate");
+    assert_eq!(got.iter().map(|j| j.key).collect::<Vec<_>>(), [key]);
+    assert!(dev.terminate(Duration::from_secs(10)), "dev exit status");
+}
