@@ -194,6 +194,17 @@ impl Lanes {
     }
 }
 
+impl Lanes {
+    /// How many of the jobs held now came through `lane`'s stream (polled ones,
+    /// which its gateway does not count, left out).
+    fn pushed_held(&self, lane: &Lane, held: Vec<(i64, i64)>) -> usize {
+        let owners = lock(&self.owners);
+        held.iter()
+            .filter(|(k, _)| owners.get(k) == Some(&lane.id))
+            .count()
+    }
+}
+
 /// Splits `total` credit between streams by `weights` (jobs each carried lately),
 /// half evenly and half by weight, each at least 1; the shares sum to `total`.
 pub(super) fn split(total: u32, weights: &[u64]) -> Vec<u32> {
@@ -264,7 +275,7 @@ async fn apply(ctx: &Ctx, all: &Lanes, lanes: &[Arc<Lane>], shares: &[u32]) {
     let deadline = Instant::now() + SHRINK_WAIT;
     let over = |l: &Arc<Lane>| {
         l.open_credit.load(Relaxed) > l.credit()
-            || all.held_by(l, ctx.jobs_held()).len() > l.credit() as usize
+            || all.pushed_held(l, ctx.jobs_held()) > l.credit() as usize
     };
     while lowered.iter().any(over) && Instant::now() < deadline {
         tokio::select! {

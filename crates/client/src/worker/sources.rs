@@ -88,6 +88,14 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, lanes: Arc<Lanes>, lane: Arc<Lane
     let mut aged = None;
     let state = |s| lanes.set_state(&lane, s);
     loop {
+        // A stream just added has no credit until others gave some up; a stream
+        // stating none would be given the gateway's default.
+        while lane.credit() == 0 {
+            tokio::select! {
+                () = lane.resized.notified() => {}
+                () = lane.close.cancelled() => return,
+            }
+        }
         let from = aged.take();
         let credit = lane.credit();
         // Jobs still held from an earlier stream (or polled) are declared, so the
