@@ -43,13 +43,7 @@ async fn a_client_spreads_calls_over_its_gateways_and_outlives_one() {
         .with_retry_budget(Duration::from_secs(20));
     assert_eq!(c.gateway_addresses(), cluster.gateway_addrs);
     // Every gateway must be serving before shares mean anything.
-    for i in 0..3 {
-        cluster
-            .client_of(i)
-            .topology()
-            .await
-            .expect("gateway serves");
-    }
+    cluster.wait_gateways_serving().await;
     let before = answered(&cluster).await;
     create_many(&c, 12, 600).await;
     let after = answered(&cluster).await;

@@ -158,13 +158,7 @@ async fn worker_streams_spread_over_gateways_started_after_them() {
     cluster.start_gateway(1);
     cluster.start_gateway(2);
     let up = Instant::now();
-    for i in 1..3 {
-        cluster
-            .client_of(i)
-            .topology()
-            .await
-            .expect("gateway serves");
-    }
+    cluster.wait_gateways_serving().await;
     // Two stream ages after the others came up.
     tokio::time::sleep(Duration::from_secs(8).saturating_sub(up.elapsed())).await;
     let held = streams(&cluster).await;
@@ -207,13 +201,7 @@ async fn a_gateway_killed_under_load_loses_no_job_and_pushes_go_on() {
     .await;
     cluster.add_gateway();
     cluster.add_gateway();
-    for i in 0..3 {
-        cluster
-            .client_of(i)
-            .topology()
-            .await
-            .expect("gateway serves");
-    }
+    cluster.wait_gateways_serving().await;
     let addrs = cluster.gateway_addrs.join(",");
     let handled = Handled::default();
     let workers: Vec<JobWorker> = (0..9)
@@ -383,13 +371,7 @@ async fn a_busy_worker_streams_from_a_second_gateway_within_its_credit_and_close
     let _g = serial().await;
     let mut cluster = Cluster::start(ClusterOpts::one_broker(2)).await;
     cluster.add_gateway();
-    for i in 0..2 {
-        cluster
-            .client_of(i)
-            .topology()
-            .await
-            .expect("gateway serves");
-    }
+    cluster.wait_gateways_serving().await;
     let client = Client::connect(&cluster.gateway_addrs.join(","))
         .expect("client")
         .with_retry_budget(Duration::from_secs(20));

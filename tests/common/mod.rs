@@ -456,6 +456,16 @@ impl Cluster {
         metric(&self.gateway_metrics[i], name).await
     }
 
+    /// Waits until every gateway answers a call (each through a client of its own).
+    pub async fn wait_gateways_serving(&self) {
+        for i in 0..self.gateway_addrs.len() {
+            self.client_of(i)
+                .topology()
+                .await
+                .unwrap_or_else(|e| panic!("gateway {i} serves: {e}"));
+        }
+    }
+
     /// A metric of every gateway, in order; 0 for a gateway that is down.
     pub async fn gateway_metric_each(&self, name: &str) -> Vec<f64> {
         let mut per = Vec::new();

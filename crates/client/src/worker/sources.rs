@@ -8,6 +8,7 @@ use super::pacing::{Ramp, PACE};
 use super::Ctx;
 use crate::client::OpenStream;
 use crate::request::{ActivateJobs, StreamJobs};
+use courier_proto::gateway_protocol::ActivatedJob;
 use courier_proto::headers::{
     HEARTBEAT_KEY, STREAM_END_HEADER, STREAM_END_MAX_AGE, STREAM_END_SHUTDOWN,
 };
@@ -143,11 +144,7 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, lanes: Arc<Lanes>, lane: Arc<Lane
                     };
                     tokio::select! {
                         m = open.jobs.message() => match m {
-                            Ok(Some(job)) if job.key == HEARTBEAT_KEY => {}
-                            Ok(Some(job)) => {
-                                lanes.carried(&ctx, &lane, job.key);
-                                ctx.receive(job, JobPath::Push);
-                            }
+                            Ok(Some(job)) => pushed(&ctx, &lanes, &lane, job),
                             Ok(None) => break Ended::Closed,
                             Err(status) => break Ended::of(status),
                         },
@@ -262,6 +259,14 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, lanes: Arc<Lanes>, lane: Arc<Lane
     }
 }
 
+/// A message on `lane`'s stream: a job to run, or a heartbeat, which is none.
+fn pushed(ctx: &Arc<Ctx>, lanes: &Lanes, lane: &Lane, job: ActivatedJob) {
+    if job.key != HEARTBEAT_KEY {
+        lanes.carried(ctx, lane, job.key);
+        ctx.receive(job, JobPath::Push);
+    }
+}
+
 /// A task that stops when its handle is dropped.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
@@ -287,11 +292,7 @@ async fn end_and_drain(ctx: &Arc<Ctx>, lanes: &Lanes, lane: &Lane, open: &mut Op
     loop {
         tokio::select! {
             m = open.jobs.message() => match m {
-                Ok(Some(job)) if job.key == HEARTBEAT_KEY => {}
-                Ok(Some(job)) => {
-                    lanes.carried(ctx, lane, job.key);
-                    ctx.receive(job, JobPath::Push);
-                }
+                Ok(Some(job)) => pushed(ctx, lanes, lane, job),
                 Ok(None) | Err(_) => return,
             },
             () = &mut deadline => return,
