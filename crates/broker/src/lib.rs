@@ -166,6 +166,7 @@ pub async fn run_with(
             .with_durable(log.durable())
             .with_payload_budget(config.memory.payload_budget);
         let shared = sm.shared();
+        let intake = sm.intake();
         let written_bytes = log.written_bytes();
         let longer_log = Arc::new(raft::LongerLog::default());
         let network = Network {
@@ -182,6 +183,7 @@ pub async fn run_with(
             id,
             config.node_id,
             raft,
+            intake,
             shared,
             notices.clone(),
             registry.clone(),

@@ -7,6 +7,7 @@ use crate::metrics;
 use crate::partition::{Notices, Partition};
 use crate::raft::{ElectRequest, SnapshotChunkHeader, TypeConfig};
 use crate::registry::{JobStreamRegistry, Link};
+use crate::store::sm::IntakeError;
 use courier_proto::api::{BrokerApi, Inbound, Outbound};
 use courier_proto::cluster::{
     self, gateway_message, BrokerAddress, BrokerMessage, BrokerTopology, BrokerTopologyRequest,
@@ -18,8 +19,9 @@ use courier_proto::convert;
 use courier_proto::domain::{BrokerError, JobKey, Lease, PartitionId, Reply, Request, StreamId};
 use courier_proto::mux;
 use futures::{Stream, StreamExt};
-use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
-use openraft::ServerState;
+use openraft::error::{InstallSnapshotError, RaftError, SnapshotMismatch};
+use openraft::raft::{AppendEntriesRequest, InstallSnapshotResponse, VoteRequest};
+use openraft::{ServerState, SnapshotSegmentId};
 use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -164,17 +166,56 @@ impl cluster::raft_server::Raft for RaftService {
         let p = partition(&self.partitions, r.partition_id)?;
         let h: SnapshotChunkHeader =
             codec::decode(&r.header).map_err(|e| malformed("snapshot chunk", e))?;
-        let rpc = InstallSnapshotRequest::<TypeConfig> {
-            vote: h.vote,
-            meta: h.meta,
-            offset: h.offset,
-            data: r.data.to_vec(),
-            done: h.done,
-        };
-        let res = p.raft.install_snapshot(rpc).await;
+        let res = receive_snapshot_chunk(p, h, r.data).await?;
         Ok(Response::new(RaftReply {
             payload: encode(&res)?,
         }))
+    }
+}
+
+/// Takes one chunk of a snapshot a leader sends; the last, once the whole snapshot
+/// is checked, has Raft install it. A snapshot that cannot be decoded is refused
+/// and its sender told why; it never reaches the state machine.
+async fn receive_snapshot_chunk(
+    p: &Partition,
+    h: SnapshotChunkHeader,
+    data: bytes::Bytes,
+) -> Result<Result<InstallSnapshotResponse<u64>, RaftError<u64, InstallSnapshotError>>, Status> {
+    let vote = p.raft.metrics().borrow().vote;
+    let answer = InstallSnapshotResponse { vote };
+    // A chunk of a stale leader is not written (Raft checks the vote again on install).
+    if h.vote < vote {
+        return Ok(Ok(answer));
+    }
+    match p.intake.receive(&h.meta, h.offset, data, h.done).await {
+        Ok(None) => Ok(Ok(answer)),
+        Ok(Some(snapshot)) => Ok(p
+            .raft
+            .install_full_snapshot(h.vote, snapshot)
+            .await
+            .map(|r| InstallSnapshotResponse { vote: r.vote })
+            .map_err(RaftError::Fatal)),
+        Err(IntakeError::NotStarted { id, offset }) => {
+            let segment = |offset| SnapshotSegmentId {
+                id: id.clone(),
+                offset,
+            };
+            Ok(Err(RaftError::APIError(
+                InstallSnapshotError::SnapshotMismatch(SnapshotMismatch {
+                    expect: segment(0),
+                    got: segment(offset),
+                }),
+            )))
+        }
+        Err(e @ IntakeError::Undecodable { .. }) => {
+            metrics::SNAPSHOTS_REFUSED.inc();
+            tracing::warn!(partition = p.id.0, error = %e, "snapshot from the leader refused");
+            Err(Status::invalid_argument(e.to_string()))
+        }
+        Err(e @ IntakeError::Io(_)) => {
+            tracing::error!(partition = p.id.0, error = %e, "cannot take in a snapshot");
+            Err(Status::unavailable(e.to_string()))
+        }
     }
 }
 

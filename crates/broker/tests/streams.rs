@@ -247,9 +247,7 @@ async fn raft_traffic_of_another_data_format_is_refused() {
 /// come back empty, and the jobs would wait out their activation timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_activation_repeated_while_its_first_attempt_is_in_flight_gets_its_jobs() {
-    use courier_proto::domain::{
-        ActivationProps, BrokerError, Command, NewJob, Reply, Request, RequestId,
-    };
+    use courier_proto::domain::{ActivationProps, BrokerError, Command, Reply, Request, RequestId};
     let (_dir, addr, shutdown, broker) = start_broker().await;
     let (tx, mut answers) = command_stream(addr).await;
     let send = |id: u64, request: &Request| {
@@ -266,35 +264,7 @@ async fn an_activation_repeated_while_its_first_attempt_is_in_flight_gets_its_jo
             .unwrap();
         }
     };
-    let job = NewJob {
-        job_type: "t".into(),
-        variables: "{}".into(),
-        custom_headers: "{}".into(),
-        retries: 3,
-        tenant_id: "<default>".into(),
-        process: Default::default(),
-    };
-    let create = Request::Command(Command::Create(vec![job; 3]));
-    // Until the broker leads its partition, creates are refused.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let mut id = 0;
-    let created = loop {
-        id += 1;
-        send(id, &create).await;
-        let answer = next(&mut answers).await;
-        assert_eq!(answer.id, id);
-        let reply: Result<Reply, BrokerError> = codec::decode(&answer.reply).unwrap();
-        match reply {
-            Ok(Reply::Created(keys)) => break keys,
-            other => {
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "no leader in 30 s: {other:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    };
+    let created = create_when_led(addr, 3).await;
     assert_eq!(created.len(), 3);
 
     let activate = Request::Command(Command::Once {
@@ -329,6 +299,137 @@ async fn an_activation_repeated_while_its_first_attempt_is_in_flight_gets_its_jo
 
     shutdown.cancel();
     drop((tx, answers));
+    tokio::time::timeout(Duration::from_secs(10), broker)
+        .await
+        .expect("the broker stops")
+        .unwrap()
+        .unwrap();
+}
+
+/// Creates `n` jobs of type `t` on the broker at `addr` once it leads its partition
+/// (within 30 s): their keys.
+async fn create_when_led(
+    addr: std::net::SocketAddr,
+    n: usize,
+) -> Vec<courier_proto::domain::JobKey> {
+    use courier_proto::domain::{BrokerError, Command, NewJob, Reply, Request};
+    let (tx, mut answers) = command_stream(addr).await;
+    let job = NewJob {
+        job_type: "t".into(),
+        variables: "{}".into(),
+        custom_headers: "{}".into(),
+        retries: 3,
+        tenant_id: "<default>".into(),
+        process: Default::default(),
+    };
+    let create = codec::to_vec(&Request::Command(Command::Create(vec![job; n]))).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    for id in 1.. {
+        tx.send(ExecuteRequest {
+            partition_id: 1,
+            request: create.clone().into(),
+            id,
+            scope: None,
+        })
+        .await
+        .unwrap();
+        let answer = next(&mut answers).await;
+        assert_eq!(answer.id, id);
+        let reply: Result<Reply, BrokerError> = codec::decode(&answer.reply).unwrap();
+        match reply {
+            Ok(Reply::Created(keys)) => return keys,
+            other => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "no leader in 30 s: {other:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    unreachable!()
+}
+
+/// A snapshot from a peer that cannot be decoded is refused with INVALID_ARGUMENT
+/// before Raft installs it: the broker stays healthy and keeps leading, rather
+/// than take the bad snapshot for a storage fault and stop for good. A chunk in the
+/// middle of a snapshot never begun is answered with a mismatch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_that_cannot_be_decoded_is_refused_and_the_broker_serves_on() {
+    use courier_broker::raft::SnapshotChunkHeader;
+    use openraft::error::InstallSnapshotError;
+    use openraft::raft::InstallSnapshotResponse;
+    use openraft::{CommittedLeaderId, LogId, SnapshotMeta, StoredMembership};
+    let (_dir, addr, shutdown, broker) = start_broker().await;
+    create_when_led(addr, 1).await;
+
+    let mut client = RaftClient::connect(format!("http://{addr}")).await.unwrap();
+    let ours = courier_broker::store::DATA_FORMAT;
+    // From a leader of a higher term, far ahead of this broker's log.
+    let meta = SnapshotMeta {
+        last_log_id: Some(LogId::new(CommittedLeaderId::new(100, 2), 1_000)),
+        last_membership: StoredMembership::default(),
+        snapshot_id: "bad-1".into(),
+    };
+    let chunk = |offset: u64, data: &[u8], done: bool| {
+        let header = SnapshotChunkHeader {
+            vote: Vote::new_committed(100, 2),
+            meta: meta.clone(),
+            offset,
+            done,
+        };
+        courier_proto::cluster::SnapshotChunk {
+            partition_id: 1,
+            header: codec::to_vec(&header).unwrap().into(),
+            data: data.to_vec().into(),
+        }
+    };
+    type Answer = Result<InstallSnapshotResponse<u64>, RaftError<u64, InstallSnapshotError>>;
+
+    let answer = client
+        .install_snapshot(stated(ours, chunk(64, b"late", false)))
+        .await
+        .unwrap();
+    let answer: Answer = codec::decode(&answer.into_inner().payload).unwrap();
+    assert!(
+        matches!(
+            answer,
+            Err(RaftError::APIError(InstallSnapshotError::SnapshotMismatch(
+                _
+            )))
+        ),
+        "{answer:?}"
+    );
+
+    let first = client
+        .install_snapshot(stated(ours, chunk(0, &[0xff; 100], false)))
+        .await
+        .unwrap();
+    let first: Answer = codec::decode(&first.into_inner().payload).unwrap();
+    assert!(first.is_ok(), "{first:?}");
+    let refused = client
+        .install_snapshot(stated(ours, chunk(100, &[0x07; 100], true)))
+        .await
+        .expect_err("refused");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused.message().contains("cannot be decoded"),
+        "{}",
+        refused.message()
+    );
+
+    // Still leading, still writing.
+    let keys = create_when_led(addr, 2).await;
+    assert_eq!(keys.len(), 2);
+    let metrics = prometheus::TextEncoder::new()
+        .encode_to_string(&prometheus::gather())
+        .unwrap();
+    assert!(
+        metrics.contains("courier_broker_snapshots_refused_total 1"),
+        "{metrics}"
+    );
+
+    shutdown.cancel();
     tokio::time::timeout(Duration::from_secs(10), broker)
         .await
         .expect("the broker stops")

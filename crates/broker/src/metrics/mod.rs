@@ -303,6 +303,14 @@ pub static SIZE_SNAPSHOTS: LazyLock<IntCounter> = LazyLock::new(|| {
     )))
 });
 
+/// Snapshots from a leader refused because they could not be decoded.
+pub static SNAPSHOTS_REFUSED: LazyLock<IntCounter> = LazyLock::new(|| {
+    register(built(IntCounter::new(
+        "courier_broker_snapshots_refused_total",
+        "Snapshots sent by a leader and refused because they could not be decoded",
+    )))
+});
+
 /// 1 once this broker's storage failed (a write or fdatasync): its replicas are
 /// stopped until it is restarted (see `failstop`).
 pub static STORAGE_FAILED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
@@ -562,6 +570,7 @@ pub fn init() {
         &STORED_PAYLOADS_READ,
         &NOTICE_CATCH_UPS,
         &SIZE_SNAPSHOTS,
+        &SNAPSHOTS_REFUSED,
     ] {
         LazyLock::force(c);
     }

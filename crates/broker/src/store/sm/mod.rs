@@ -22,8 +22,10 @@ use tokio::sync::Notify;
 
 use courier_proto::domain::NodeId;
 
+mod intake;
 mod payloads;
 mod snapfile;
+pub use intake::{IntakeError, SnapshotIntake};
 pub use payloads::PayloadStore;
 use snapfile::SnapshotFiles;
 
@@ -270,6 +272,12 @@ impl StateMachine {
     pub fn with_payload_budget(self, bytes: u64) -> StateMachine {
         self.shared.write().state.set_payload_budget(bytes);
         self
+    }
+
+    /// Where snapshots sent by a leader are taken in and checked before Raft
+    /// installs them.
+    pub fn intake(&self) -> Arc<SnapshotIntake> {
+        Arc::new(SnapshotIntake::new(self.snapshots.clone()))
     }
 
     /// The applied state, for the partition's leader-side tasks.
@@ -546,20 +554,21 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
 
 impl StateMachine {
     /// The fsynced file of `received`, the snapshot handed to install: the file
-    /// begun for it, or, given another (openraft's storage suite hands the
-    /// leader's), a copy of it.
+    /// begun for it (by openraft or the intake), or, given another (openraft's
+    /// storage suite hands the leader's), a copy of it.
     fn received_file(
         &mut self,
         mut received: std::fs::File,
     ) -> Result<PathBuf, StorageError<NodeId>> {
         use std::os::unix::fs::MetadataExt;
-        let ours =
-            self.receiving
-                .take()
-                .filter(|p| match (std::fs::metadata(p), received.metadata()) {
-                    (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
-                    _ => false,
-                });
+        let same = |p: &PathBuf| match (std::fs::metadata(p), received.metadata()) {
+            (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+            _ => false,
+        };
+        let ours = [self.receiving.take(), self.snapshots.take_received()]
+            .into_iter()
+            .flatten()
+            .find(same);
         let path = match ours {
             Some(p) => {
                 received.sync_data().map_err(write_err)?;

@@ -38,6 +38,8 @@ pub struct SnapshotFiles {
     current: Mutex<Option<Current>>,
     /// Makes data file names unique within this process.
     next: AtomicU64,
+    /// A received and checked `.recv` file, handed to Raft to install (see `intake`).
+    received: Mutex<Option<PathBuf>>,
 }
 
 impl SnapshotFiles {
@@ -51,6 +53,7 @@ impl SnapshotFiles {
             partition,
             current: Mutex::new(None),
             next: AtomicU64::new(0),
+            received: Mutex::new(None),
         };
         let current = match files.read_index()? {
             Some(c) => Some(c),
@@ -80,6 +83,23 @@ impl SnapshotFiles {
         };
         let f = std::fs::File::open(&c.data).map_err(read_err)?;
         Ok(Some((c.meta.clone(), f)))
+    }
+
+    /// Notes `path` as the received snapshot handed to Raft to install; an earlier
+    /// one that was never installed is removed.
+    pub fn received(&self, path: PathBuf) {
+        let mut slot = self.received.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = slot.replace(path) {
+            let _ = std::fs::remove_file(old);
+        }
+    }
+
+    /// The received snapshot handed to Raft, if one is waiting to be installed.
+    pub fn take_received(&self) -> Option<PathBuf> {
+        self.received
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
     }
 
     fn index_path(&self) -> PathBuf {

@@ -306,19 +306,6 @@ async fn snapshot_files_are_received_in_place_cleaned_up_and_converted() {
     assert_eq!(bytes(&mut current.snapshot).await, built);
 }
 
-proptest::proptest! {
-    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(10_000))]
-
-    /// A snapshot sent by a peer, whatever its bytes, decodes to an error or a
-    /// value: never a panic or an allocation its length prefixes claim.
-    #[test]
-    fn any_snapshot_bytes_decode_to_an_error_or_a_value(
-        bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512),
-    ) {
-        let _ = SnapshotData::decode(&bytes);
-    }
-}
-
 /// Payloads past the budget are stored apart: a fail that merges variables into
 /// one (in the same apply as its create) reads it back; a restart keeps them apart
 /// without loading them; a snapshot carries the jobs whole, and the replica that
@@ -424,4 +411,163 @@ async fn payloads_past_the_budget_are_stored_apart_read_back_and_carried_whole()
         };
         assert_eq!(whole, merged.variables);
     }
+}
+
+/// A snapshot's encoding with jobs (one activated) and a remembered request, to cut
+/// and change.
+fn snapshot_seed() -> Vec<u8> {
+    let mut state = State::new(PartitionId(1));
+    let mut changes = Changes::new();
+    for (i, cmd) in [
+        create_once(7, 3),
+        Command::Create(vec![job(); 2]),
+        Command::Activate {
+            props: courier_proto::domain::ActivationProps {
+                job_type: "t".into(),
+                worker: "w".into(),
+                timeout_ms: 1_000,
+                fetch_variables: Vec::new(),
+                tenant_ids: vec![DEFAULT_TENANT.into()],
+            },
+            max_jobs: 1,
+        },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        if let EntryPayload::Normal(batch) = entry(i as u64 + 1, 1, cmd).payload {
+            state.apply_batch(i as u64 + 1, &batch, &mut changes);
+        }
+    }
+    let jobs: Vec<Job> = state.jobs().cloned().collect();
+    let onces: Vec<([u8; 16], OnceRecord)> = state
+        .onces()
+        .map(|(id, r)| (id.0.to_be_bytes(), r))
+        .collect();
+    assert_eq!((jobs.len(), onces.len()), (5, 1));
+    codec::to_vec(&(state.counters().clone(), jobs, onces)).unwrap()
+}
+
+/// Reads `bytes` as a received snapshot, and installs what reads as one in a
+/// state: an error or a state, never a panic.
+fn read_and_install(bytes: &[u8]) {
+    if let Ok(data) = SnapshotData::decode(bytes) {
+        let mut state = State::from_parts(PartitionId(1), data.counters, data.jobs, data.onces);
+        state.set_payload_budget(64);
+        state.place_all(&mut Changes::new());
+    }
+}
+
+#[test]
+fn the_snapshot_seed_reads_back_whole_and_a_cut_one_does_not_check() {
+    let seed = snapshot_seed();
+    let data = SnapshotData::decode(&seed).unwrap();
+    assert_eq!((data.jobs.len(), data.onces.len()), (5, 1));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    std::fs::write(&path, &seed).unwrap();
+    intake::check(&path).unwrap();
+    std::fs::write(&path, &seed[..seed.len() - 1]).unwrap();
+    assert!(intake::check(&path).is_err());
+    std::fs::write(&path, [seed.as_slice(), b"x"].concat()).unwrap();
+    assert!(intake::check(&path).unwrap_err().contains("after the end"));
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(5_000))]
+
+    /// Snapshot decoding, fed bytes a peer may send (random ones, and a valid
+    /// snapshot cut short or with bytes changed): an error or a state, never a
+    /// panic or an allocation its length prefixes claim.
+    #[test]
+    fn received_snapshot_bytes_read_to_an_error_or_a_state(
+        random in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256),
+        cut in proptest::prelude::any::<proptest::sample::Index>(),
+        changes in proptest::collection::vec(
+            (proptest::prelude::any::<proptest::sample::Index>(), proptest::prelude::any::<u8>()),
+            0..6,
+        ),
+    ) {
+        read_and_install(&random);
+        let mut bytes = snapshot_seed();
+        for (at, b) in changes {
+            let i = at.index(bytes.len());
+            bytes[i] = b;
+        }
+        bytes.truncate(cut.index(bytes.len() + 1));
+        read_and_install(&bytes);
+    }
+}
+
+/// A snapshot taken in by the intake in chunks, out of order after the first, is
+/// checked and installed from its own file (renamed, not copied); one whose bytes
+/// do not decode is refused and its file removed.
+#[tokio::test]
+async fn the_intake_takes_chunks_in_place_and_refuses_what_does_not_decode() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Db::open(&dir.path().join("a"), Durability::Fsync).unwrap();
+    let mut sm = StateMachine::open(&db, PartitionId(1), dir.path().join("snaps-a")).unwrap();
+    sm.apply([create(1, 3)]).await.unwrap();
+    let mut snap = snapshot(&mut sm).await;
+    let built = bytes(&mut snap.snapshot).await;
+
+    let other_db = Db::open(&dir.path().join("b"), Durability::Fsync).unwrap();
+    let other_snaps = dir.path().join("snaps-b");
+    let mut other = StateMachine::open(&other_db, PartitionId(1), other_snaps.clone()).unwrap();
+    let intake = other.intake();
+    let half = built.len() / 2;
+    let chunk = |from: usize, to: usize| bytes::Bytes::copy_from_slice(&built[from..to]);
+    assert!(intake
+        .receive(&snap.meta, 0, chunk(0, 1), false)
+        .await
+        .unwrap()
+        .is_none());
+    assert!(intake
+        .receive(&snap.meta, half as u64, chunk(half, built.len()), false)
+        .await
+        .unwrap()
+        .is_none());
+    let whole = intake
+        .receive(&snap.meta, 1, chunk(1, half), true)
+        .await
+        .unwrap()
+        .expect("the whole snapshot");
+    let received = other.snapshots.take_received().unwrap();
+    other.snapshots.received(received.clone());
+    other
+        .install_snapshot(&whole.meta, whole.snapshot)
+        .await
+        .unwrap();
+    let current = other.snapshots.current().unwrap();
+    assert_eq!(
+        current.data,
+        received.with_extension("data"),
+        "renamed, not copied"
+    );
+    assert_eq!(std::fs::read(&current.data).unwrap(), built);
+    assert_eq!(other.shared().read().state.job_count(), 3);
+
+    let mut bad = snap.meta.clone();
+    bad.snapshot_id = "bad".into();
+    let refused = intake
+        .receive(&bad, 0, bytes::Bytes::from_static(&[0xff; 64]), true)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, IntakeError::Undecodable { .. }),
+        "{refused}"
+    );
+    let recv_files = std::fs::read_dir(&other_snaps)
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().extension() == Some("recv".as_ref()))
+        .count();
+    assert_eq!(recv_files, 0);
+    let late = intake
+        .receive(&bad, 5, chunk(5, 6), false)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(late, IntakeError::NotStarted { offset: 5, .. }),
+        "{late}"
+    );
 }
