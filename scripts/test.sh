@@ -15,6 +15,13 @@ command -v python3 >/dev/null || { echo "python3 is required for the pyzeebe tes
 tests/compat/.venv/bin/python -m pip install --quiet --disable-pip-version-check \
   -r tests/compat/requirements.txt
 
+# Headless Chromium loads the status page in its test (Debian's package).
+if ! command -v chromium-headless-shell >/dev/null; then
+  command -v apt-get >/dev/null || { echo "chromium-headless-shell is required for the status page test" >&2; exit 1; }
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium-headless-shell >/dev/null \
+    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium-headless-shell >/dev/null; }
+fi
+
 cargo test --workspace
 
 # The chaos suite's short run: faults in network namespaces under a workload, then

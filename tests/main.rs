@@ -12,6 +12,7 @@ mod bounds;
 mod cluster;
 mod flow;
 mod gateways;
+mod inspect;
 mod node_sdk;
 mod push;
 mod pyzeebe;

@@ -729,6 +729,19 @@ where
 /// Reads `/metrics` at `addr` over plain HTTP and sums every sample of `name`
 /// (all label sets); 0 when the endpoint or the metric is missing.
 pub async fn metric(addr: &str, name: &str) -> f64 {
+    metrics_text(addr)
+        .await
+        .lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The `/metrics` text at `addr`, read over plain HTTP; empty when it cannot be read.
+pub async fn metrics_text(addr: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let Ok(Ok(mut s)) = tokio::time::timeout(
         Duration::from_millis(500),
@@ -736,21 +749,15 @@ pub async fn metric(addr: &str, name: &str) -> f64 {
     )
     .await
     else {
-        return 0.0;
+        return String::new();
     };
     let req = format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n");
     if s.write_all(req.as_bytes()).await.is_err() {
-        return 0.0;
+        return String::new();
     }
     let mut body = String::new();
     let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut body)).await;
-    body.lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    body
 }
 
 /// Whether every job of `keys` is gone (completed or canceled): NOT_FOUND for each.

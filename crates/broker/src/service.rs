@@ -273,6 +273,12 @@ impl BrokerService {
         match request {
             Request::Command(c) => p.submit_in(c, gateway, tenants).await,
             Request::GetJob { key } => p.get_job(key, tenants.as_deref()),
+            Request::ListJobs {
+                filter,
+                after,
+                limit,
+            } => p.list_jobs(&filter, after, limit, tenants.as_deref()).await,
+            Request::JobStats { filter } => p.job_stats(&filter, tenants.as_deref()).await,
         }
     }
 }
@@ -281,6 +287,8 @@ fn request_kind(r: &Request) -> &'static str {
     use courier_proto::domain::Command as C;
     match r {
         Request::GetJob { .. } => "get_job",
+        Request::ListJobs { .. } => "list_jobs",
+        Request::JobStats { .. } => "job_stats",
         Request::Command(c) => match c.inner() {
             C::Create(_) => "create",
             C::Activate { .. } | C::ActivateWithin { .. } => "activate",

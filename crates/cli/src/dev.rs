@@ -98,8 +98,10 @@ pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
         .map(|l| l.local_addr().map(|a| a.to_string()))
         .collect::<Result<Vec<_>, _>>()?
         .join(",");
+    // The status page shows the first gateway's view.
+    let inspector = courier_gateway::service::InspectorSlot::default();
     if a.metrics_addr != "off" {
-        serve_metrics(&a.metrics_addr, shutdown.clone()).await?;
+        serve_metrics(&a.metrics_addr, Some(inspector.clone()), shutdown.clone()).await?;
     }
     let configs: Vec<(BrokerConfig, _)> = listeners
         .into_iter()
@@ -140,6 +142,7 @@ pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
     }
     for (i, listener) in gateway_listeners.into_iter().enumerate() {
         let gw_config = courier_gateway::GatewayConfig {
+            inspector: (i == 0).then(|| inspector.clone()),
             brokers: brokers.values().cloned().collect(),
             tls: a.client_tls.config(),
             cluster_tls: Some(cluster_tls.clone()),

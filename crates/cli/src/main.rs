@@ -29,6 +29,7 @@ mod client_cmds;
 mod dev;
 mod security;
 mod servers;
+mod status_page;
 mod worker_cmd;
 
 /// Writes to stdout; a failed write ends the process (status 141 for a closed pipe,
@@ -88,6 +89,20 @@ enum Cmd {
         #[command(flatten)]
         conn: client_cmds::ClientOpts,
     },
+    /// Count jobs per type and tenant: waiting, oldest, active, incidents, rate.
+    Stats {
+        #[command(flatten)]
+        conn: client_cmds::ClientOpts,
+        #[command(flatten)]
+        args: client_cmds::inspect::StatsArgs,
+    },
+    /// List incidents with their errors, or retry or cancel them over a filter.
+    Incidents {
+        #[command(flatten)]
+        conn: client_cmds::ClientOpts,
+        #[command(flatten)]
+        args: client_cmds::inspect::IncidentsArgs,
+    },
     /// Make a cluster CA and certificates signed by it (for TLS and mutual TLS).
     #[command(subcommand)]
     Cert(security::CertCmd),
@@ -122,6 +137,8 @@ fn main() -> std::process::ExitCode {
             Cmd::Job { conn, cmd } => client_cmds::job(conn, cmd).await,
             Cmd::Worker { conn, args } => worker_cmd::worker(conn, args).await,
             Cmd::Status { conn } => client_cmds::status(conn).await,
+            Cmd::Stats { conn, args } => client_cmds::inspect::stats(&conn, args).await,
+            Cmd::Incidents { conn, args } => client_cmds::inspect::incidents(&conn, args).await,
             Cmd::Cert(c) => security::cert(c),
         }
     });
@@ -140,7 +157,11 @@ impl Cmd {
     fn is_client(&self) -> bool {
         matches!(
             self,
-            Cmd::Job { .. } | Cmd::Worker { .. } | Cmd::Status { .. }
+            Cmd::Job { .. }
+                | Cmd::Worker { .. }
+                | Cmd::Status { .. }
+                | Cmd::Stats { .. }
+                | Cmd::Incidents { .. }
         )
     }
 
@@ -151,7 +172,12 @@ impl Cmd {
             Cmd::Dev(a) => Some(a.runtime.worker_threads()),
             Cmd::Broker(a) => a.runtime.worker_threads(),
             Cmd::Gateway(a) => a.runtime.worker_threads(),
-            Cmd::Job { .. } | Cmd::Worker { .. } | Cmd::Status { .. } | Cmd::Cert(_) => None,
+            Cmd::Job { .. }
+            | Cmd::Worker { .. }
+            | Cmd::Status { .. }
+            | Cmd::Stats { .. }
+            | Cmd::Incidents { .. }
+            | Cmd::Cert(_) => None,
         }
     }
 }

@@ -342,7 +342,13 @@ pub(crate) fn runtime_workers() -> usize {
 
 /// Serves the default Prometheus registry at `/metrics` until `shutdown`, with
 /// the runtime's worker threads as `courier_runtime_worker_threads`.
-pub(crate) async fn serve_metrics(addr: &str, shutdown: CancellationToken) -> anyhow::Result<()> {
+/// Serves `/metrics` on `addr`, and with `status` the status page of the gateway
+/// that fills it (see `status_page`).
+pub(crate) async fn serve_metrics(
+    addr: &str,
+    status: Option<courier_gateway::service::InspectorSlot>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let listener = bind(addr).await?;
     let workers = prometheus::IntGauge::new(
         "courier_runtime_worker_threads",
@@ -352,7 +358,7 @@ pub(crate) async fn serve_metrics(addr: &str, shutdown: CancellationToken) -> an
     if let Err(e) = prometheus::default_registry().register(Box::new(workers)) {
         tracing::warn!(error = %e, "cannot register courier_runtime_worker_threads");
     }
-    let app = axum::Router::new().route(
+    let mut app = axum::Router::new().route(
         "/metrics",
         axum::routing::get(|| async {
             let mut out = String::new();
@@ -363,6 +369,9 @@ pub(crate) async fn serve_metrics(addr: &str, shutdown: CancellationToken) -> an
             }
         }),
     );
+    if let Some(slot) = status {
+        app = app.merge(crate::status_page::router(slot));
+    }
     tokio::spawn(async move {
         let r = axum::serve(listener, app)
             .with_graceful_shutdown(shutdown.cancelled_owned())
@@ -469,7 +478,7 @@ pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
     brokers.entry(a.node_id).or_insert_with(|| a.addr.clone());
     let listener = bind(&a.addr).await?;
     if let Some(m) = &a.metrics_addr {
-        serve_metrics(m, shutdown.clone()).await?;
+        serve_metrics(m, None, shutdown.clone()).await?;
     }
     let config = BrokerConfig {
         node_id: a.node_id,
@@ -511,10 +520,12 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
         bail!("--brokers must name at least one broker");
     }
     let listener = bind(&a.addr).await?;
+    let inspector = courier_gateway::service::InspectorSlot::default();
     if let Some(m) = &a.metrics_addr {
-        serve_metrics(m, shutdown.clone()).await?;
+        serve_metrics(m, Some(inspector.clone()), shutdown.clone()).await?;
     }
     let config = courier_gateway::GatewayConfig {
+        inspector: Some(inspector),
         brokers,
         default_long_poll: Duration::from_secs(10),
         push_enabled: !a.no_push,

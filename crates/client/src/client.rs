@@ -157,6 +157,79 @@ impl Client {
         Ok(())
     }
 
+    /// One page of the jobs matching `filter` after `cursor` ("" for the first): the
+    /// jobs (without variables and headers) and the next page's cursor ("" at the end).
+    pub async fn list_jobs(
+        &self,
+        filter: v1::JobFilter,
+        cursor: &str,
+        limit: i32,
+    ) -> Result<v1::ListJobsResponse, ClientError> {
+        let request = v1::ListJobsRequest {
+            filter: Some(filter),
+            cursor: cursor.to_string(),
+            limit,
+        };
+        self.call(Picked::jobs, request, |mut c, r| async move {
+            c.list_jobs(r).await
+        })
+        .await
+    }
+
+    /// Counts per job type and tenant of the jobs matching `filter`.
+    pub async fn job_stats(
+        &self,
+        filter: v1::JobFilter,
+    ) -> Result<v1::JobStatsResponse, ClientError> {
+        let request = v1::JobStatsRequest {
+            filter: Some(filter),
+        };
+        self.call(Picked::jobs, request, |mut c, r| async move {
+            c.job_stats(r).await
+        })
+        .await
+    }
+
+    /// Sets `retries` on up to `limit` jobs matching `filter` (incidents when it
+    /// names no state) after `cursor`.
+    pub async fn update_jobs_retries(
+        &self,
+        filter: v1::JobFilter,
+        retries: i32,
+        cursor: &str,
+        limit: i32,
+    ) -> Result<v1::BulkResponse, ClientError> {
+        let request = v1::UpdateJobsRetriesRequest {
+            filter: Some(filter),
+            retries,
+            limit,
+            cursor: cursor.to_string(),
+        };
+        self.call(Picked::jobs, request, |mut c, r| async move {
+            c.update_jobs_retries(r).await
+        })
+        .await
+    }
+
+    /// Cancels up to `limit` jobs matching `filter` (incidents when it names no
+    /// state) after `cursor`.
+    pub async fn cancel_jobs(
+        &self,
+        filter: v1::JobFilter,
+        cursor: &str,
+        limit: i32,
+    ) -> Result<v1::BulkResponse, ClientError> {
+        let request = v1::CancelJobsRequest {
+            filter: Some(filter),
+            limit,
+            cursor: cursor.to_string(),
+        };
+        self.call(Picked::jobs, request, |mut c, r| async move {
+            c.cancel_jobs(r).await
+        })
+        .await
+    }
+
     /// Activates jobs (long polling, as the request says) and returns all the gateway
     /// streamed back. Failures before the first job are retried; once jobs have
     /// arrived they are activated and must not be dropped, so a later stream error is

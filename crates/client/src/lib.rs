@@ -64,7 +64,10 @@ pub mod security;
 pub mod worker;
 
 pub use client::Client;
-pub use courier_proto::courier_v1::{CreateJobResponse, Job, JobState};
+pub use courier_proto::courier_v1::{
+    BulkResponse, CreateJobResponse, Job, JobFilter, JobState, JobStatsResponse, ListJobsResponse,
+    TypeStats,
+};
 pub use courier_proto::gateway_protocol::{ActivatedJob, TopologyResponse};
 pub use error::ClientError;
 pub use request::{

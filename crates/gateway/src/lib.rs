@@ -54,6 +54,9 @@ const REQUESTS_DRAIN: Duration = Duration::from_secs(5);
 /// How a gateway finds the cluster and treats requests.
 #[derive(Clone, Debug)]
 pub struct GatewayConfig {
+    /// Where to put the gateway's [`service::Inspector`] once it serves (for a
+    /// status page in the same process).
+    pub inspector: Option<service::InspectorSlot>,
     /// Broker addresses ("host:port") to learn the cluster from; need not be all brokers.
     pub brokers: Vec<String>,
     /// Long-poll time when ActivateJobs says requestTimeout = 0 (default 10 s).
@@ -120,6 +123,7 @@ pub const DEFAULT_MAX_INFLIGHT_BYTES: usize = 256 * 1024 * 1024;
 impl Default for GatewayConfig {
     fn default() -> Self {
         GatewayConfig {
+            inspector: None,
             brokers: Vec::new(),
             default_long_poll: Duration::from_secs(10),
             default_request_timeout: Duration::from_secs(15),
@@ -270,6 +274,10 @@ pub async fn serve_with(
         admission.clone(),
         config.stream_max_age,
     );
+    if let Some(slot) = &config.inspector {
+        // A slot already filled (another gateway of the process) keeps the first.
+        let _ = slot.set(service::Inspector(shared.clone()));
+    }
     // Zeebe's clients (the Node.js SDK always) compress requests with gzip; answers
     // stay uncompressed, where compression would only add latency.
     let authenticate = auth::Authenticate(match &config.auth {

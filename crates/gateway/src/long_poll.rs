@@ -159,6 +159,16 @@ impl LongPollQueue {
         self.parked.load(Ordering::Relaxed)
     }
 
+    /// Requests parked now for jobs of `job_type` and `tenant`.
+    pub fn parked_for(&self, job_type: &str, tenant: &str) -> usize {
+        self.lock().get(job_type).map_or(0, |w| {
+            w.parked
+                .iter()
+                .filter(|p| p.tenants.iter().any(|t| t == tenant))
+                .count()
+        })
+    }
+
     /// How many job types have waiters (for tests of the clean-up).
     pub fn types_watched(&self) -> usize {
         self.lock().len()

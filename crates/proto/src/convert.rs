@@ -195,6 +195,75 @@ impl From<JobView> for v1::Job {
     }
 }
 
+/// The filter of a listing, statistics or bulk request.
+pub fn job_filter(f: Option<&v1::JobFilter>) -> Result<JobFilter, String> {
+    let Some(f) = f else {
+        return Ok(JobFilter::default());
+    };
+    let states = f
+        .states
+        .iter()
+        .map(|&s| match v1::JobState::try_from(s) {
+            Ok(v1::JobState::Activatable) => Ok(JobStateKind::Activatable),
+            Ok(v1::JobState::Activated) => Ok(JobStateKind::Activated),
+            Ok(v1::JobState::FailedBackOff) => Ok(JobStateKind::FailedBackOff),
+            Ok(v1::JobState::Incident) => Ok(JobStateKind::Incident),
+            Ok(v1::JobState::ErrorThrown) => Ok(JobStateKind::ErrorThrown),
+            Ok(v1::JobState::Unspecified) | Err(_) => Err(format!(
+                "filter.states holds {s}, which names no job state (1 to 5)"
+            )),
+        })
+        .collect::<Result<_, _>>()?;
+    if f.created_after != 0 && f.created_before != 0 && f.created_after >= f.created_before {
+        return Err(format!(
+            "filter.createdAfter ({}) must be before filter.createdBefore ({})",
+            f.created_after, f.created_before
+        ));
+    }
+    Ok(JobFilter {
+        job_type: (!f.r#type.is_empty()).then(|| f.r#type.clone()),
+        states,
+        tenants: f.tenant_ids.clone(),
+        created_after: (f.created_after != 0).then_some(f.created_after),
+        created_before: (f.created_before != 0).then_some(f.created_before),
+    })
+}
+
+/// A page cursor: the key of the last job looked at ("" for the first page).
+pub fn cursor(c: &str) -> Result<Option<JobKey>, String> {
+    if c.is_empty() {
+        return Ok(None);
+    }
+    c.parse::<i64>()
+        .ok()
+        .filter(|k| *k >= 0)
+        .map(|k| Some(JobKey(k)))
+        .ok_or_else(|| format!("cursor '{c}' is not one this API returned"))
+}
+
+impl From<TypeStats> for v1::TypeStats {
+    fn from(s: TypeStats) -> Self {
+        let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        v1::TypeStats {
+            r#type: s.job_type,
+            tenant_id: s.tenant_id,
+            activatable: n(s.activatable),
+            activated: n(s.activated),
+            failed_back_off: n(s.failed_back_off),
+            incident: n(s.incident),
+            error_thrown: n(s.error_thrown),
+            oldest_waiting_created_at: s.oldest_waiting.unwrap_or(0),
+            activations_per_second: s.activations_per_second,
+            streams_by_gateway: s
+                .streams
+                .into_iter()
+                .map(|(g, c)| (g, i32::try_from(c).unwrap_or(i32::MAX)))
+                .collect(),
+            parked_polls: 0,
+        }
+    }
+}
+
 impl From<&ActivationProps> for crate::cluster::StreamProps {
     fn from(p: &ActivationProps) -> Self {
         crate::cluster::StreamProps {

@@ -1,6 +1,7 @@
 //! Domain types shared by brokers, gateways and clients. Nothing here knows the wire.
 
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::fmt;
 
 /// Tenant of every job when multi-tenancy is not used (Zeebe's name for it).
@@ -393,15 +394,114 @@ pub enum Request {
     Command(Command),
     /// Read one job from the leader's state.
     GetJob { key: JobKey },
+    /// Jobs of the partition matching `filter`, in key order after `after`, at
+    /// most `limit` (without their variables and headers). Last of the variants:
+    /// an older gateway's requests read the same.
+    ListJobs {
+        filter: JobFilter,
+        after: Option<JobKey>,
+        limit: u32,
+    },
+    /// Counts per job type and tenant of the jobs matching `filter`.
+    JobStats { filter: JobFilter },
+}
+
+/// Which jobs a listing, statistics or bulk change is about; an empty field
+/// matches every job.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobFilter {
+    pub job_type: Option<String>,
+    pub states: Vec<JobStateKind>,
+    pub tenants: Vec<String>,
+    /// Epoch ms; created at or after.
+    pub created_after: Option<i64>,
+    /// Epoch ms; created before.
+    pub created_before: Option<i64>,
+}
+
+impl JobFilter {
+    /// Whether a job of these properties matches.
+    pub fn matches(
+        &self,
+        job_type: &str,
+        tenant: &str,
+        state: JobStateKind,
+        created_at: i64,
+    ) -> bool {
+        self.job_type.as_deref().is_none_or(|t| t == job_type)
+            && (self.states.is_empty() || self.states.contains(&state))
+            && (self.tenants.is_empty() || self.tenants.iter().any(|t| t == tenant))
+            && self.created_after.is_none_or(|a| created_at >= a)
+            && self.created_before.is_none_or(|b| created_at < b)
+    }
+}
+
+/// Jobs of one type and tenant on one partition (or, merged, the cluster).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TypeStats {
+    pub job_type: String,
+    pub tenant_id: String,
+    pub activatable: u64,
+    pub activated: u64,
+    pub failed_back_off: u64,
+    pub incident: u64,
+    pub error_thrown: u64,
+    /// Epoch ms of creation of the oldest activatable job, if any.
+    pub oldest_waiting: Option<i64>,
+    /// Jobs activated (pushed or polled) per second by the partition's leader,
+    /// over the last few seconds.
+    pub activations_per_second: f64,
+    /// Worker streams registered with the leader for this type and tenant, by
+    /// gateway id.
+    pub streams: BTreeMap<String, u32>,
+}
+
+impl TypeStats {
+    /// Adds `other`'s counts (another partition's) to these.
+    pub fn merge(&mut self, other: &TypeStats) {
+        self.activatable += other.activatable;
+        self.activated += other.activated;
+        self.failed_back_off += other.failed_back_off;
+        self.incident += other.incident;
+        self.error_thrown += other.error_thrown;
+        self.oldest_waiting = match (self.oldest_waiting, other.oldest_waiting) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.activations_per_second += other.activations_per_second;
+        // Every broker knows every gateway's streams: the most any partition saw.
+        for (g, n) in &other.streams {
+            let e = self.streams.entry(g.clone()).or_default();
+            *e = (*e).max(*n);
+        }
+    }
+
+    /// Counts a job in `state`.
+    pub fn count(&mut self, state: JobStateKind) {
+        match state {
+            JobStateKind::Activatable => self.activatable += 1,
+            JobStateKind::Activated => self.activated += 1,
+            JobStateKind::FailedBackOff => self.failed_back_off += 1,
+            JobStateKind::Incident => self.incident += 1,
+            JobStateKind::ErrorThrown => self.error_thrown += 1,
+        }
+    }
 }
 
 /// The successful answer to a [`Request`].
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Reply {
     Created(Vec<JobKey>),
     Activated(Vec<ActivatedJob>),
     Done,
     Job(JobView),
+    /// A page of [`Request::ListJobs`]: `resume` is the key to list on from, or
+    /// `None` once the partition's last job was looked at.
+    Jobs {
+        jobs: Vec<JobView>,
+        resume: Option<JobKey>,
+    },
+    Stats(Vec<TypeStats>),
 }
 
 /// Why a broker refused a request. Each kind maps to one gRPC status code.

@@ -591,7 +591,7 @@ impl Budget {
 }
 
 /// The replies and effects of one applied entry.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Applied {
     pub replies: Vec<Result<Reply, BrokerError>>,
     pub effects: Vec<Effect>,

@@ -20,6 +20,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 mod apply;
+mod inspect;
 mod payload;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -27,6 +28,7 @@ pub(crate) mod tests;
 pub(crate) use apply::filter_variables;
 pub use apply::Applied;
 use apply::*;
+pub use inspect::SliceEnd;
 pub use payload::{payload_bytes, Payload};
 
 /// One replicated log entry: every command a partition's proposer gathered while
@@ -589,33 +591,7 @@ impl State {
 
     /// The GetJob view of a job.
     pub fn view(&self, key: JobKey) -> Option<JobView> {
-        let j = self.jobs.get(&key)?;
-        let (state, worker, deadline, retry_at) = match &j.status {
-            JobStatus::Activatable { .. } => (JobStateKind::Activatable, String::new(), 0, 0),
-            JobStatus::Activated {
-                worker, deadline, ..
-            } => (JobStateKind::Activated, worker.clone(), *deadline, 0),
-            JobStatus::BackOff { retry_at } => {
-                (JobStateKind::FailedBackOff, String::new(), 0, *retry_at)
-            }
-            JobStatus::Incident => (JobStateKind::Incident, String::new(), 0, 0),
-            JobStatus::ErrorThrown => (JobStateKind::ErrorThrown, String::new(), 0, 0),
-        };
-        Some(JobView {
-            key,
-            job_type: j.job_type.clone(),
-            state,
-            retries: j.retries,
-            worker,
-            deadline,
-            retry_at,
-            error_message: j.error_message.clone(),
-            error_code: j.error_code.clone(),
-            variables: j.variables.clone(),
-            custom_headers: j.custom_headers.clone(),
-            tenant_id: j.tenant_id.clone(),
-            created_at: j.created_at,
-        })
+        self.jobs.get(&key).map(|j| view_of(j, true))
     }
 
     /// How many jobs of this type and these tenants are activatable.
@@ -699,5 +675,43 @@ impl State {
             }
             JobStatus::Incident | JobStatus::ErrorThrown => {}
         }
+    }
+}
+
+/// Where a job stands, as GetJob reports it.
+pub fn state_of(j: &Job) -> JobStateKind {
+    match &j.status {
+        JobStatus::Activatable { .. } => JobStateKind::Activatable,
+        JobStatus::Activated { .. } => JobStateKind::Activated,
+        JobStatus::BackOff { .. } => JobStateKind::FailedBackOff,
+        JobStatus::Incident => JobStateKind::Incident,
+        JobStatus::ErrorThrown => JobStateKind::ErrorThrown,
+    }
+}
+
+/// The view of a job; with `payload`, its variables and headers as held in memory.
+fn view_of(j: &Job, payload: bool) -> JobView {
+    let (worker, deadline, retry_at) = match &j.status {
+        JobStatus::Activated {
+            worker, deadline, ..
+        } => (worker.clone(), *deadline, 0),
+        JobStatus::BackOff { retry_at } => (String::new(), 0, *retry_at),
+        _ => (String::new(), 0, 0),
+    };
+    let text = |t: &String| if payload { t.clone() } else { String::new() };
+    JobView {
+        key: j.key,
+        job_type: j.job_type.clone(),
+        state: state_of(j),
+        retries: j.retries,
+        worker,
+        deadline,
+        retry_at,
+        error_message: j.error_message.clone(),
+        error_code: j.error_code.clone(),
+        variables: text(&j.variables),
+        custom_headers: text(&j.custom_headers),
+        tenant_id: j.tenant_id.clone(),
+        created_at: j.created_at,
     }
 }

@@ -45,6 +45,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 mod handoff;
+mod inspect;
 mod leader;
 mod payloads;
 mod proposer;
@@ -56,6 +57,7 @@ mod timers;
 
 pub use handoff::ElectError;
 use handoff::Gate;
+pub use inspect::{ActivationRate, MAX_LIST};
 use leader::*;
 use payloads::*;
 use proposer::*;
@@ -175,6 +177,8 @@ pub struct Partition {
     pub id: PartitionId,
     pub node_id: NodeId,
     pub raft: Raft,
+    /// Jobs this replica activated lately, while leading.
+    activations: ActivationRate,
     /// Takes in the snapshots a leader sends, checked before Raft installs them.
     pub intake: Arc<crate::store::sm::SnapshotIntake>,
     shared: Arc<SharedState>,
@@ -229,6 +233,7 @@ impl Partition {
             id,
             node_id,
             raft,
+            activations: ActivationRate::default(),
             intake,
             shared,
             proposals: tx,
@@ -347,7 +352,13 @@ impl Partition {
             Some(tenants) => LogCommand::ClientIn { cmd, push, tenants },
             None => LogCommand::Client { cmd, push, via },
         };
-        self.propose_from(logged, ends_from).await
+        let reply = self.propose_from(logged, ends_from).await;
+        if let Ok(Reply::Activated(jobs)) = &reply {
+            for j in jobs {
+                self.activations.add(&j.job_type, &j.tenant_id, 1);
+            }
+        }
+        reply
     }
 
     /// Claims the jobs an Activate may take before it is proposed, or says why it

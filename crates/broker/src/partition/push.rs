@@ -143,6 +143,7 @@ pub(super) fn start_push(
     if let Some(l) = leader {
         l.hold(job.key, (target.recipient.link, lease));
     }
+    p.activations.add(&job.job_type, &job.tenant_id, 1);
     let sent = send_to(p, &target.recipient, true, lease, job.clone(), created);
     match leader {
         Some(l) => p.spawn_led(

@@ -372,6 +372,29 @@ impl JobStreamRegistry {
         self.update_gauge();
     }
 
+    /// The streams registered for jobs of `job_type` and `tenant`, counted by the
+    /// id of the gateway that holds them.
+    pub fn streams_by_gateway(
+        &self,
+        job_type: &str,
+        tenant: &str,
+    ) -> std::collections::BTreeMap<String, u32> {
+        let mut out = std::collections::BTreeMap::new();
+        let Some(streams) = self.streams.get(job_type) else {
+            return out;
+        };
+        for l in streams.logicals.iter().filter(|l| l.takes(tenant)) {
+            for r in &l.recipients {
+                let gateway = self
+                    .link(r.link)
+                    .map(|l| l.gateway_id())
+                    .unwrap_or_default();
+                *out.entry(gateway).or_insert(0) += 1;
+            }
+        }
+        out
+    }
+
     pub fn link(&self, id: LinkId) -> Option<Arc<Link>> {
         self.links.get(&id).map(|l| l.clone())
     }

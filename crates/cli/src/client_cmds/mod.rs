@@ -11,6 +11,8 @@ use std::fmt::Write as _;
 use std::io::IsTerminal as _;
 use std::time::{Duration, Instant};
 
+pub mod inspect;
+
 /// Jobs per CreateJobs request when creating many.
 const CREATE_BATCH: u32 = 500;
 /// CreateJobs requests in flight at once when creating many.
@@ -154,6 +156,8 @@ pub enum JobCmd {
         /// The job key.
         key: i64,
     },
+    /// List jobs by type, state, tenant and age (without their variables: see get).
+    List(inspect::ListArgs),
 }
 
 /// Runs one job command against the gateway.
@@ -294,6 +298,7 @@ pub async fn job(opts: ClientOpts, cmd: JobCmd) -> anyhow::Result<()> {
                 format!("canceled job {key}")
             });
         }
+        JobCmd::List(a) => inspect::list(&opts, a).await?,
         JobCmd::Get { key } => {
             let job = client.get_job(key).await?;
             if json {
@@ -506,7 +511,7 @@ fn state_name(state: i32) -> String {
         .unwrap_or_else(|_| format!("UNKNOWN({state})"))
 }
 
-fn job_json(j: &Job) -> Value {
+pub(crate) fn job_json(j: &Job) -> Value {
     json!({
         "key": j.key,
         "type": j.r#type,
@@ -571,7 +576,7 @@ fn health_name(health: i32) -> String {
         .unwrap_or_else(|_| format!("UNKNOWN({health})"))
 }
 
-fn topology_json(t: &TopologyResponse) -> Value {
+pub(crate) fn topology_json(t: &TopologyResponse) -> Value {
     let brokers: Vec<Value> = t
         .brokers
         .iter()

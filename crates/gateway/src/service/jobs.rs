@@ -1,6 +1,7 @@
 //! Courier's `courier.v1.Jobs` service, for producers: create, get and cancel; and
 //! for Courier's worker, the end of one of its streams.
 
+use super::inspect::page_limit;
 use super::*;
 
 /// Courier's producer service.
@@ -97,6 +98,102 @@ impl Jobs for JobsService {
         .await
     }
 
+    async fn list_jobs(
+        &self,
+        request: tonic::Request<v1::ListJobsRequest>,
+    ) -> Result<Response<v1::ListJobsResponse>, Status> {
+        let deadline = self.0.deadline(&request);
+        let caller = auth::caller(&request);
+        let r = request.into_inner();
+        let span = tracing::info_span!("ListJobs", limit = r.limit);
+        unary("ListJobs", span, async {
+            let filter = convert::job_filter(r.filter.as_ref()).map_err(invalid)?;
+            let cursor = convert::cursor(&r.cursor).map_err(invalid)?;
+            let (jobs, next) = self
+                .0
+                .list_jobs(
+                    caller.as_deref(),
+                    &filter,
+                    cursor,
+                    page_limit(r.limit),
+                    deadline,
+                )
+                .await?;
+            Ok(v1::ListJobsResponse {
+                jobs: jobs.into_iter().map(v1::Job::from).collect(),
+                cursor: next.map(|k| k.to_string()).unwrap_or_default(),
+            })
+        })
+        .await
+    }
+
+    async fn job_stats(
+        &self,
+        request: tonic::Request<v1::JobStatsRequest>,
+    ) -> Result<Response<v1::JobStatsResponse>, Status> {
+        let deadline = self.0.deadline(&request);
+        let caller = auth::caller(&request);
+        let r = request.into_inner();
+        let span = tracing::info_span!("JobStats");
+        unary("JobStats", span, async {
+            let filter = convert::job_filter(r.filter.as_ref()).map_err(invalid)?;
+            let types = self
+                .0
+                .job_stats(caller.as_deref(), &filter, deadline)
+                .await?;
+            Ok(v1::JobStatsResponse {
+                types,
+                now: epoch_ms(),
+            })
+        })
+        .await
+    }
+
+    async fn update_jobs_retries(
+        &self,
+        request: tonic::Request<v1::UpdateJobsRetriesRequest>,
+    ) -> Result<Response<v1::BulkResponse>, Status> {
+        let deadline = self.0.deadline(&request);
+        let caller = auth::caller(&request);
+        let r = request.into_inner();
+        let span = tracing::info_span!("UpdateJobsRetries", retries = r.retries);
+        unary("UpdateJobsRetries", span, async {
+            let change = Bulk::UpdateRetries(r.retries);
+            self.bulk(
+                caller.as_deref(),
+                r.filter.as_ref(),
+                &r.cursor,
+                r.limit,
+                change,
+                deadline,
+            )
+            .await
+        })
+        .await
+    }
+
+    async fn cancel_jobs(
+        &self,
+        request: tonic::Request<v1::CancelJobsRequest>,
+    ) -> Result<Response<v1::BulkResponse>, Status> {
+        let deadline = self.0.deadline(&request);
+        let caller = auth::caller(&request);
+        let r = request.into_inner();
+        let span = tracing::info_span!("CancelJobs");
+        unary("CancelJobs", span, async {
+            self.bulk(
+                caller.as_deref(),
+                r.filter.as_ref(),
+                &r.cursor,
+                r.limit,
+                Bulk::Cancel,
+                deadline,
+            )
+            .await
+        })
+        .await
+    }
+
     async fn end_stream(
         &self,
         request: tonic::Request<v1::EndStreamRequest>,
@@ -124,6 +221,47 @@ impl Jobs for JobsService {
         })
         .await
     }
+}
+
+impl JobsService {
+    async fn bulk(
+        &self,
+        caller: Option<&Caller>,
+        filter: Option<&v1::JobFilter>,
+        cursor: &str,
+        limit: i32,
+        change: Bulk,
+        deadline: Instant,
+    ) -> Result<v1::BulkResponse, GatewayError> {
+        let filter = convert::job_filter(filter).map_err(invalid)?;
+        let cursor = convert::cursor(cursor).map_err(invalid)?;
+        let out = self
+            .0
+            .bulk(caller, filter, cursor, page_limit(limit), change, deadline)
+            .await?;
+        tracing::info!(
+            changed = out.changed.len(),
+            failed = out.failed.len(),
+            ?change,
+            "bulk change"
+        );
+        Ok(v1::BulkResponse {
+            keys: out.changed.into_iter().map(|k| k.0).collect(),
+            failures: out
+                .failed
+                .into_iter()
+                .map(|(k, reason)| v1::BulkFailure { key: k.0, reason })
+                .collect(),
+            cursor: out.cursor.map(|k| k.to_string()).unwrap_or_default(),
+        })
+    }
+}
+
+/// The gateway's clock, epoch ms.
+fn epoch_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// Validates a CreateJobs batch; errors name the offending entry.

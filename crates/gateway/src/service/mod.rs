@@ -32,6 +32,7 @@ use tokio_util::task::TaskTracker;
 use tonic::{Response, Status};
 use tracing::Instrument;
 
+mod inspect;
 mod jobs;
 mod lifetime;
 #[cfg(test)]
@@ -41,6 +42,7 @@ mod load;
 mod tests;
 mod zeebe;
 
+pub use inspect::{Bulk, BulkOutcome, Inspector, InspectorSlot};
 #[cfg(test)]
 use jobs::create_batch;
 pub use jobs::JobsService;
@@ -722,6 +724,8 @@ fn reply_kind(reply: &Reply) -> &'static str {
         Reply::Activated(_) => "Activated",
         Reply::Done => "Done",
         Reply::Job(_) => "Job",
+        Reply::Jobs { .. } => "Jobs",
+        Reply::Stats(_) => "Stats",
     }
 }
 

@@ -664,6 +664,18 @@ impl AggregatedStreams {
         self.lock().streams.len()
     }
 
+    /// Per job type: aggregated streams and their clients right now.
+    pub fn by_type(&self) -> BTreeMap<String, (usize, usize)> {
+        let st = self.lock();
+        let mut out: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+        for a in st.streams.values() {
+            let e = out.entry(a.props.job_type.clone()).or_default();
+            e.0 += 1;
+            e.1 += a.members;
+        }
+        out
+    }
+
     /// Clients of all streams right now.
     pub fn client_count(&self) -> usize {
         self.lock().clients.len()
