@@ -418,6 +418,17 @@ async fn a_busy_worker_streams_from_a_second_gateway_within_its_credit_and_close
         }
     });
     let producer = cluster.client_of(0);
+    // A backlog of several seconds of the worker's work, so its credit stays fully
+    // used however fast the producer below goes on this machine.
+    let mut backlog = Vec::new();
+    for _ in 0..6 {
+        let at = now_ms();
+        let keys = producer
+            .create_jobs((0..1000).map(|_| NewJob::new("lanes")))
+            .await
+            .expect("backlog");
+        backlog.extend(keys.into_iter().map(|k| (k, at)));
+    }
     let stop = tokio_util::sync::CancellationToken::new();
     let made = produce(&producer, "lanes", 1200, stop.clone());
     wait_until(
@@ -453,7 +464,8 @@ async fn a_busy_worker_streams_from_a_second_gateway_within_its_credit_and_close
         "a gateway counted {most} free credit for the worker's stream"
     );
     stop.cancel();
-    let made = made.await.expect("producer");
+    let mut made = made.await.expect("producer");
+    made.extend(backlog);
     all_handled(&made, &handled, 0).await;
     wait_until(
         Duration::from_secs(20),

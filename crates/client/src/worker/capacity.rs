@@ -1,6 +1,7 @@
 //! How many jobs a worker holds: one permit per job, from the moment it is received
 //! until its outcome is sent (or it is given back), whichever path it came by.
 
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
@@ -13,6 +14,8 @@ pub(crate) struct Capacity {
     /// `Semaphore::acquire`: taking a permit just to learn there is one would, for
     /// that instant, make a pushed job find none and be given back for nothing.
     freed: Arc<Notify>,
+    /// Set when a take leaves no room; cleared by [`Capacity::filled_since_asked`].
+    filled: Arc<AtomicBool>,
     max: usize,
 }
 
@@ -38,6 +41,7 @@ impl Capacity {
         Capacity {
             permits: Arc::new(Semaphore::new(max)),
             freed: Arc::new(Notify::new()),
+            filled: Arc::new(AtomicBool::new(false)),
             max,
         }
     }
@@ -45,6 +49,9 @@ impl Capacity {
     /// A permit for one more job, or `None` when the worker is full.
     pub(crate) fn try_take(&self) -> Option<Held> {
         let permit = Arc::clone(&self.permits).try_acquire_owned().ok()?;
+        if self.permits.available_permits() == 0 {
+            self.filled.store(true, Relaxed);
+        }
         Some(Held {
             permit: Some(permit),
             freed: Arc::clone(&self.freed),
@@ -54,6 +61,13 @@ impl Capacity {
     /// Jobs that could be taken right now.
     pub(crate) fn free(&self) -> usize {
         self.permits.available_permits()
+    }
+
+    /// Whether every permit was in use at some moment since the last call (or is
+    /// now): the credit was all used, even where the instant of a look would find
+    /// a permit on its way back.
+    pub(crate) fn filled_since_asked(&self) -> bool {
+        self.filled.swap(false, Relaxed) || self.free() == 0
     }
 
     /// Jobs it holds at most.
@@ -95,6 +109,14 @@ mod tests {
         assert_eq!((c.free(), c.held()), (0, 3));
         drop(held);
         assert_eq!((c.free(), c.held()), (3, 0));
+        assert!(c.filled_since_asked());
+        assert!(
+            !c.filled_since_asked(),
+            "asked again with room: not full since"
+        );
+        let one = c.try_take();
+        assert!(!c.filled_since_asked(), "one of three taken");
+        drop(one);
         // Zero would be a worker that can never take a job.
         assert_eq!(Capacity::new(0).free(), 1);
     }

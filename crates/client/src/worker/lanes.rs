@@ -323,7 +323,7 @@ pub(super) async fn run(ctx: Arc<Ctx>, lanes: Arc<Lanes>) {
             .min(ctx.once.gateway_count())
             .min(total as usize)
             .max(1);
-        let busy = ctx.capacity.free() == 0 || lanes.polled_beside.swap(0, Relaxed) > 0;
+        let busy = ctx.capacity.filled_since_asked() || lanes.polled_beside.swap(0, Relaxed) > 0;
         pressed = if busy { pressed + 1 } else { 0 };
         let settled = changed.elapsed() >= SETTLE;
         if pressed >= GROW_AFTER && live.len() < most && settled {
