@@ -14,6 +14,7 @@ mod flow;
 mod gateways;
 mod inspect;
 mod node_sdk;
+mod otel;
 mod push;
 mod pyzeebe;
 mod security;

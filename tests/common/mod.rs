@@ -92,6 +92,8 @@ pub struct ClusterOpts {
     pub payload_memory_budget: Option<u64>,
     /// `--stream-max-age` of every gateway (None: its default).
     pub stream_max_age: Option<&'static str>,
+    /// `--otlp-endpoint` of every broker and gateway (None: no export).
+    pub otlp_endpoint: Option<String>,
 }
 
 impl Default for ClusterOpts {
@@ -115,6 +117,7 @@ impl Default for ClusterOpts {
             max_partition_bytes: None,
             payload_memory_budget: None,
             stream_max_age: None,
+            otlp_endpoint: None,
         }
     }
 }
@@ -369,6 +372,7 @@ impl Cluster {
         if let Some(s) = &self.opts.secure {
             args.extend(s.cluster_args("broker"));
         }
+        args.extend(self.otlp_args());
         let log = self.dir.path().join(format!("broker-{id}.log"));
         let env = match &self.faulty_disk {
             Some(disk) if self.opts.faulty_disk == Some(id) => disk.env(),
@@ -376,6 +380,13 @@ impl Cluster {
         };
         self.brokers
             .insert(id, Proc::spawn_with_env(&args, log, &env));
+    }
+
+    fn otlp_args(&self) -> Vec<String> {
+        match &self.opts.otlp_endpoint {
+            Some(e) => vec!["--otlp-endpoint".into(), e.clone()],
+            None => Vec::new(),
+        }
     }
 
     fn worker_threads_args(&self) -> Vec<String> {
@@ -410,6 +421,7 @@ impl Cluster {
             args.extend(s.cluster_args("gateway"));
             args.extend(s.gateway_args());
         }
+        args.extend(self.otlp_args());
         args.extend(self.worker_threads_args());
         let log = self.dir.path().join(format!("gateway-{i}.log"));
         let p = Proc::spawn(&args, log);

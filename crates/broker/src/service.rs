@@ -241,7 +241,15 @@ impl BrokerService {
         let request: Request =
             codec::decode(&r.request).map_err(|e| malformed("execute request", e))?;
         let kind = request_kind(&request);
-        let span = tracing::debug_span!("execute", partition = r.partition_id, kind);
+        let span = match create_trace(&request) {
+            // Its commit (replicated, and flushed in fsync mode) in the job's trace.
+            Some(tp) => {
+                let span = tracing::info_span!("CreateJobs", partition = r.partition_id);
+                courier_proto::trace::set_parent(&span, &tp);
+                span
+            }
+            None => tracing::debug_span!("execute", partition = r.partition_id, kind),
+        };
         let started = std::time::Instant::now();
         let tenants = r.scope.map(|s| s.tenants);
         let result = self
@@ -280,6 +288,23 @@ impl BrokerService {
             } => p.list_jobs(&filter, after, limit, tenants.as_deref()).await,
             Request::JobStats { filter } => p.job_stats(&filter, tenants.as_deref()).await,
         }
+    }
+}
+
+/// The trace context a create joins, where this broker exports spans and one of
+/// its jobs carries one.
+fn create_trace(r: &Request) -> Option<String> {
+    if !courier_proto::trace::enabled() {
+        return None;
+    }
+    match r {
+        Request::Command(c) => match c.inner() {
+            courier_proto::domain::Command::Create(jobs) => jobs
+                .iter()
+                .find_map(|j| courier_proto::trace::in_headers(&j.custom_headers)),
+            _ => None,
+        },
+        _ => None,
     }
 }
 

@@ -2,8 +2,8 @@
 //! `/metrics`), its data in one folder, stopped cleanly on Ctrl-C.
 
 use crate::servers::{
-    bind, init_tracing, runtime_workers, serve_metrics, shutdown_on_signal, wait_all, LostGateway,
-    Memory, StreamLife, SERVER_LOG,
+    bind, runtime_workers, serve_metrics, shutdown_on_signal, wait_all, LostGateway, Memory,
+    StreamLife,
 };
 use anyhow::{bail, Context};
 use courier_broker::{BrokerConfig, Durability, RaftTuning};
@@ -51,6 +51,8 @@ pub struct DevArgs {
     auth: crate::security::AuthArgs,
     #[command(flatten)]
     pub runtime: DevRuntime,
+    #[command(flatten)]
+    pub otlp: crate::telemetry::OtlpArgs,
 }
 
 /// How `courier dev` sizes its runtime. One thread unless told otherwise: the whole
@@ -74,7 +76,6 @@ impl DevRuntime {
 }
 
 pub async fn dev(a: DevArgs) -> anyhow::Result<()> {
-    init_tracing(SERVER_LOG);
     if a.brokers < 1 {
         bail!("--brokers must be at least 1");
     }

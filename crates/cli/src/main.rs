@@ -30,6 +30,7 @@ mod dev;
 mod security;
 mod servers;
 mod status_page;
+mod telemetry;
 mod worker_cmd;
 
 /// Writes to stdout; a failed write ends the process (status 141 for a closed pipe,
@@ -123,12 +124,19 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    if cli.cmd.is_client() {
-        // The client side's warnings on stderr: a stream that broke, a poll that
-        // failed, a call still retrying while the gateway does not answer.
-        // `RUST_LOG` shows more. The servers set up their own logging.
-        servers::init_tracing("warn");
-    }
+    let telemetry = match cli.cmd.log_filter() {
+        Some(filter) => {
+            let _in_runtime = runtime.enter();
+            match servers::init_tracing(filter, cli.cmd.otlp()) {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    return std::process::ExitCode::FAILURE;
+                }
+            }
+        }
+        None => telemetry::Telemetry::default(),
+    };
     let result = runtime.block_on(async move {
         match cli.cmd {
             Cmd::Dev(a) => dev::dev(a).await,
@@ -142,6 +150,10 @@ fn main() -> std::process::ExitCode {
             Cmd::Cert(c) => security::cert(c),
         }
     });
+    {
+        let _in_runtime = runtime.enter();
+        telemetry.shutdown();
+    }
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -152,17 +164,28 @@ fn main() -> std::process::ExitCode {
 }
 
 impl Cmd {
-    /// Whether this is a command of the client side (a job command, a worker,
-    /// status) rather than a server.
-    fn is_client(&self) -> bool {
-        matches!(
-            self,
-            Cmd::Job { .. }
-                | Cmd::Worker { .. }
-                | Cmd::Status { .. }
-                | Cmd::Stats { .. }
-                | Cmd::Incidents { .. }
-        )
+    /// What a command logs by default: the servers their own, the client side its
+    /// warnings on stderr (a stream that broke, a poll that failed, a call still
+    /// retrying while the gateway does not answer); `RUST_LOG` shows more. `None`:
+    /// no logging.
+    fn log_filter(&self) -> Option<&'static str> {
+        match self {
+            Cmd::Dev(_) | Cmd::Broker(_) | Cmd::Gateway(_) => Some(servers::SERVER_LOG),
+            Cmd::Cert(_) => None,
+            _ => Some("warn"),
+        }
+    }
+
+    /// Where this process exports spans, and its service name there.
+    fn otlp(&self) -> Option<(&str, &'static str)> {
+        let (args, service) = match self {
+            Cmd::Dev(a) => (&a.otlp, "courier-dev"),
+            Cmd::Broker(a) => (&a.otlp, "courier-broker"),
+            Cmd::Gateway(a) => (&a.otlp, "courier-gateway"),
+            Cmd::Worker { args, .. } => (&args.otlp, "courier-worker"),
+            _ => return None,
+        };
+        Some((args.otlp_endpoint.as_deref()?, service))
     }
 
     /// The runtime's worker threads: what the servers were told, else dev's own

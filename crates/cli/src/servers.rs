@@ -126,6 +126,8 @@ pub struct BrokerArgs {
     cluster_tls: crate::security::ClusterTlsArgs,
     #[command(flatten)]
     pub runtime: ServerRuntime,
+    #[command(flatten)]
+    pub otlp: crate::telemetry::OtlpArgs,
 }
 
 /// Where partition leaders go once the brokers that should lead them are back.
@@ -174,6 +176,8 @@ pub struct GatewayArgs {
     auth: crate::security::AuthArgs,
     #[command(flatten)]
     pub runtime: ServerRuntime,
+    #[command(flatten)]
+    pub otlp: crate::telemetry::OtlpArgs,
 }
 
 /// How long a gateway keeps a job stream.
@@ -232,22 +236,39 @@ impl GatewayBounds {
 /// Node.js and Java clients do), which it ignores as it should.
 pub(crate) const SERVER_LOG: &str = "info,openraft=error,rustls=error";
 
-/// Logs to stderr: `default_filter`, or what `RUST_LOG` asks for.
-pub fn init_tracing(default_filter: &str) {
+/// Logs to stderr: `default_filter`, or what `RUST_LOG` asks for; with `otlp`
+/// (an endpoint and this process's service name), also exports the `info` spans
+/// of Courier's crates there. Runs within the tokio runtime.
+pub fn init_tracing(
+    default_filter: &str,
+    otlp: Option<(&str, &'static str)>,
+) -> anyhow::Result<crate::telemetry::Telemetry> {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer as _;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    let (telemetry, otel) = match otlp {
+        Some((endpoint, service)) => {
+            let (telemetry, layer) = crate::telemetry::Telemetry::otlp(endpoint, service)?;
+            let courier = tracing_subscriber::filter::Targets::new()
+                .with_target("courier", tracing::Level::INFO);
+            (telemetry, Some(layer.with_filter(courier)))
+        }
+        None => (crate::telemetry::Telemetry::default(), None),
+    };
     let _ = tracing_subscriber::registry()
-        .with(filter)
         .with(QuietUnreachablePeers)
         .with(
             tracing_subscriber::fmt::layer()
                 .with_writer(std::io::stderr)
                 // Colours only for a person at a terminal, not in a log file or a pipe.
-                .with_ansi(std::io::stderr().is_terminal()),
+                .with_ansi(std::io::stderr().is_terminal())
+                .with_filter(filter),
         )
+        .with(otel)
         .try_init();
+    Ok(telemetry)
 }
 
 /// Drops openraft's errors and warnings for each Raft call that could not reach a
@@ -463,7 +484,6 @@ fn raft_tuning(a: &BrokerArgs) -> anyhow::Result<RaftTuning> {
 }
 
 pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
-    init_tracing(SERVER_LOG);
     // Bad arguments fail before the broker says it starts.
     let mut brokers = parse_peers(&a.peers)?;
     check_member(a.node_id, &brokers)?;
@@ -500,7 +520,6 @@ pub async fn broker(a: BrokerArgs) -> anyhow::Result<()> {
 }
 
 pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
-    init_tracing(SERVER_LOG);
     let cluster_tls = a.cluster_tls.load().context("cluster TLS")?;
     tracing::info!(
         worker_threads = runtime_workers(),

@@ -59,6 +59,8 @@ pub struct WorkerArgs {
     /// Hand the handler only this variable (repeatable; default: all).
     #[arg(long = "fetch-variable")]
     pub fetch_variables: Vec<String>,
+    #[command(flatten)]
+    pub otlp: crate::telemetry::OtlpArgs,
 }
 
 /// Runs the worker until Ctrl-C or SIGTERM, then shuts it down gracefully and prints
@@ -158,6 +160,12 @@ async fn run_handler(command: &str, job: &ActivatedJob) -> JobOutcome {
         .env("COURIER_JOB_KEY", job.key.to_string())
         .env("COURIER_JOB_TYPE", &job.r#type)
         .env("COURIER_JOB_RETRIES", job.retries.to_string());
+    // A handler that records spans joins the job's trace: its parent is this
+    // worker's span of the job, or the job's producer where this worker exports none.
+    let span = courier_proto::trace::traceparent_of(&tracing::Span::current());
+    if let Some(tp) = span.or_else(|| courier_proto::trace::in_headers(&job.custom_headers)) {
+        cmd.env("TRACEPARENT", tp);
+    }
     let headers = or_empty_object(&job.custom_headers);
     // Removed when the handler is done, whatever happened.
     let _headers_file = if headers.len() <= HEADERS_IN_ENV {
@@ -443,6 +451,7 @@ mod tests {
         assert_eq!(
             a,
             WorkerArgs {
+                otlp: Default::default(),
                 job_type: "email".into(),
                 handler: "cat".into(),
                 max_jobs_active: 32,

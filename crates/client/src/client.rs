@@ -108,8 +108,10 @@ impl Client {
         &self,
         job: impl Into<v1::CreateJobRequest>,
     ) -> Result<v1::CreateJobResponse, ClientError> {
-        self.call(Picked::jobs, job.into(), |mut c, r| async move {
-            c.create_job(r).await
+        let tp = courier_proto::trace::traceparent_of(&tracing::Span::current());
+        self.call(Picked::jobs, job.into(), |mut c, r| {
+            let request = with_trace(r, tp.as_deref());
+            async move { c.create_job(request).await }
         })
         .await
     }
@@ -126,9 +128,11 @@ impl Client {
         if request.jobs.is_empty() {
             return Ok(Vec::new());
         }
+        let tp = courier_proto::trace::traceparent_of(&tracing::Span::current());
         let response = self
-            .call(Picked::jobs, request, |mut c, r| async move {
-                c.create_jobs(r).await
+            .call(Picked::jobs, request, |mut c, r| {
+                let request = with_trace(r, tp.as_deref());
+                async move { c.create_jobs(request).await }
             })
             .await?;
         Ok(response.keys)
@@ -483,6 +487,19 @@ impl Client {
         .await?;
         Ok(response.into_inner())
     }
+}
+
+/// A request carrying `traceparent` in its metadata: the jobs it creates join the
+/// caller's trace (its current span, where the application records spans with
+/// OpenTelemetry).
+fn with_trace<T>(message: T, traceparent: Option<&str>) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    if let Some(value) = traceparent.and_then(|tp| tp.parse().ok()) {
+        request
+            .metadata_mut()
+            .insert(courier_proto::trace::TRACEPARENT, value);
+    }
+    request
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@ pub mod headers;
 pub mod mux;
 pub mod sync;
 pub mod tls;
+pub mod trace;
 pub mod validate;
 pub mod wire;
 

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinError;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 /// The timeout a give-back sets: the job times out on the broker at once and is
 /// runnable again, its retries untouched.
@@ -26,7 +27,13 @@ pub(super) async fn run(ctx: Arc<Ctx>, job: ActivatedJob, hold: (Held, ActiveGua
     let handler = Arc::clone(&ctx.handler);
     // A task of its own: a panic in the handler ends that task only, and the
     // handler can be dropped when the shutdown grace is over.
-    let mut task = tokio::spawn(async move { handler(job).await });
+    // The handler's span, a child of the job's producer where the job carries its
+    // trace context: spans the handler makes join that trace.
+    let span = tracing::info_span!("job", job_key = key, job_type = %job.r#type);
+    if let Some(tp) = courier_proto::trace::in_headers(&job.custom_headers) {
+        courier_proto::trace::set_parent(&span, &tp);
+    }
+    let mut task = tokio::spawn(async move { handler(job).await }.instrument(span));
     let outcome = tokio::select! {
         biased;
         r = &mut task => decide(r),

@@ -3,6 +3,7 @@
 
 use super::inspect::page_limit;
 use super::*;
+use courier_proto::trace;
 
 /// Courier's producer service.
 #[derive(Clone)]
@@ -16,8 +17,11 @@ impl Jobs for JobsService {
     ) -> Result<Response<v1::CreateJobResponse>, Status> {
         let deadline = self.0.deadline(&request);
         let caller = auth::caller(&request);
-        let r = request.into_inner();
+        let incoming = traceparent_in(&request);
+        let mut r = request.into_inner();
         let span = tracing::info_span!("CreateJob", job_type = %loggable(&r.r#type));
+        let carried = traced(&span, incoming);
+        carry(&mut r, carried.as_deref());
         unary("CreateJob", span, async {
             let mut job = convert::create_request(&r).map_err(invalid)?;
             auth::own_tenant(caller.as_deref(), &mut job, r.tenant_id.is_empty())?;
@@ -40,8 +44,13 @@ impl Jobs for JobsService {
     ) -> Result<Response<v1::CreateJobsResponse>, Status> {
         let deadline = self.0.deadline(&request);
         let caller = auth::caller(&request);
-        let r = request.into_inner();
+        let incoming = traceparent_in(&request);
+        let mut r = request.into_inner();
         let span = tracing::info_span!("CreateJobs", jobs = r.jobs.len());
+        let carried = traced(&span, incoming);
+        for job in &mut r.jobs {
+            carry(job, carried.as_deref());
+        }
         unary("CreateJobs", span, async {
             let mut jobs = create_batch(&r.jobs)?;
             for (job, asked) in jobs.iter_mut().zip(&r.jobs) {
@@ -279,4 +288,34 @@ pub(super) fn create_batch(jobs: &[v1::CreateJobRequest]) -> Result<Vec<NewJob>,
         .enumerate()
         .map(|(i, j)| convert::create_request(j).map_err(|e| invalid(format!("jobs[{i}]: {e}"))))
         .collect()
+}
+
+/// The W3C trace context a caller sent in its metadata, when well-formed.
+fn traceparent_in<T>(request: &tonic::Request<T>) -> Option<String> {
+    let tp = request.metadata().get(trace::TRACEPARENT)?.to_str().ok()?;
+    trace::parse(tp).map(|_| tp.to_owned())
+}
+
+/// Makes `span` a child of the caller's trace, if it sent one; returns the trace
+/// context the created jobs carry: the caller's, or else this span's when this
+/// gateway exports spans.
+fn traced(span: &tracing::Span, incoming: Option<String>) -> Option<String> {
+    match incoming {
+        Some(tp) => {
+            trace::set_parent(span, &tp);
+            Some(tp)
+        }
+        None if trace::enabled() => trace::traceparent_of(span),
+        None => None,
+    }
+}
+
+/// Adds the trace context to a job's custom headers, unless its producer put one
+/// there itself.
+fn carry(job: &mut v1::CreateJobRequest, traceparent: Option<&str>) {
+    if let Some(headers) =
+        traceparent.and_then(|tp| trace::with_traceparent(&job.custom_headers, tp))
+    {
+        job.custom_headers = headers;
+    }
 }

@@ -157,7 +157,21 @@ impl AttachedLink {
     /// [`AggregatedStreams`]) and says how it went, for the `PushAck`. `None`: the
     /// push carries no job, and is dropped.
     pub fn push(&self, push: PushJob) -> Option<PushAck> {
-        self.streams.push(self.node, self.conn, push)
+        // Traced only where this gateway exports spans and the job carries a trace.
+        let traced = push
+            .job
+            .as_ref()
+            .filter(|_| courier_proto::trace::enabled())
+            .and_then(|j| {
+                let tp = courier_proto::trace::in_headers(&j.custom_headers)?;
+                let span = tracing::info_span!("PushJob", job_key = j.key, stream = push.stream_id);
+                courier_proto::trace::set_parent(&span, &tp);
+                Some(span)
+            });
+        match traced {
+            Some(span) => span.in_scope(|| self.streams.push(self.node, self.conn, push)),
+            None => self.streams.push(self.node, self.conn, push),
+        }
     }
 
     /// Queues a message of this link's own (an ack). Never waits: a full queue drops
