@@ -248,25 +248,33 @@ pub fn init_tracing(
     use tracing_subscriber::Layer as _;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    let (telemetry, otel) = match otlp {
-        Some((endpoint, service)) => {
-            let (telemetry, layer) = crate::telemetry::Telemetry::otlp(endpoint, service)?;
-            let courier = tracing_subscriber::filter::Targets::new()
-                .with_target("courier", tracing::Level::INFO);
-            (telemetry, Some(layer.with_filter(courier)))
-        }
-        None => (crate::telemetry::Telemetry::default(), None),
+    // Colours only for a person at a terminal, not in a log file or a pipe.
+    let ansi = std::io::stderr().is_terminal();
+    let Some((endpoint, service)) = otlp else {
+        // One global filter: a call site it leaves out costs nothing on the job path.
+        let _ = tracing_subscriber::registry()
+            .with(filter)
+            .with(QuietUnreachablePeers)
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::stderr)
+                    .with_ansi(ansi),
+            )
+            .try_init();
+        return Ok(crate::telemetry::Telemetry::default());
     };
+    let (telemetry, otel) = crate::telemetry::Telemetry::otlp(endpoint, service)?;
+    let courier =
+        tracing_subscriber::filter::Targets::new().with_target("courier", tracing::Level::INFO);
     let _ = tracing_subscriber::registry()
         .with(QuietUnreachablePeers)
         .with(
             tracing_subscriber::fmt::layer()
                 .with_writer(std::io::stderr)
-                // Colours only for a person at a terminal, not in a log file or a pipe.
-                .with_ansi(std::io::stderr().is_terminal())
+                .with_ansi(ansi)
                 .with_filter(filter),
         )
-        .with(otel)
+        .with(otel.with_filter(courier))
         .try_init();
     Ok(telemetry)
 }
