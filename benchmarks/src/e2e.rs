@@ -46,6 +46,10 @@ pub struct E2eArgs {
     /// its creation time (µs since the epoch), to line stalls up with broker logs.
     #[arg(long)]
     pub print_slower_than_ms: Option<u64>,
+    /// Operators' reads beside the load, this many a second: a `ListJobs` page of
+    /// 1,000 jobs (walking on with its cursor) and a `JobStats` over every job.
+    #[arg(long)]
+    pub inspect_per_sec: Option<u32>,
     /// Also save the measured latencies to this file, for `merge`.
     #[arg(long)]
     pub histogram_out: Option<std::path::PathBuf>,
@@ -119,6 +123,9 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
     w.print_slower_than_us = a.print_slower_than_ms.map(|ms| ms * 1000);
     let mut h = histogram()?;
     let mut errors = 0u64;
+    let inspector = a
+        .inspect_per_sec
+        .map(|n| tokio::spawn(inspect(client.clone(), n, w.until)));
     let load = match (a.rate, a.in_flight) {
         (None, Some(window)) => {
             let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(window.max(1)));
@@ -193,7 +200,18 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
     for worker in workers {
         worker.abort();
     }
-    let load = format!("{:?} {load}", a.mode).to_lowercase();
+    let mut load = format!("{:?} {load}", a.mode).to_lowercase();
+    if let (Some(n), Some(inspector)) = (a.inspect_per_sec, inspector) {
+        let reads = inspector.await.context("the inspecting task")??;
+        eprintln!(
+            "inspecting beside {load}: {} reads, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+            reads.len(),
+            crate::ms(reads.value_at_quantile(0.5)),
+            crate::ms(reads.value_at_quantile(0.99)),
+            crate::ms(reads.max()),
+        );
+        load = format!("{load}, {n} ListJobs + {n} JobStats/s");
+    }
     let outcome = Outcome {
         latency: h,
         errors,
@@ -204,4 +222,33 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
         crate::merge::save(path, &load, &outcome)?;
     }
     Ok(())
+}
+
+/// Lists and counts jobs `per_sec` times a second each until `until`; returns the
+/// latency of every read.
+async fn inspect(
+    client: Client,
+    per_sec: u32,
+    until: Instant,
+) -> anyhow::Result<hdrhistogram::Histogram<u64>> {
+    let mut reads = histogram()?;
+    let mut tick = tokio::time::interval(Duration::from_secs(1) / per_sec.max(1));
+    let mut cursor = String::new();
+    while Instant::now() < until {
+        tick.tick().await;
+        let t0 = Instant::now();
+        let page = client
+            .list_jobs(Default::default(), &cursor, 1000)
+            .await
+            .context("ListJobs")?;
+        reads.saturating_record(t0.elapsed().as_micros() as u64);
+        cursor = page.cursor;
+        let t0 = Instant::now();
+        client
+            .job_stats(Default::default())
+            .await
+            .context("JobStats")?;
+        reads.saturating_record(t0.elapsed().as_micros() as u64);
+    }
+    Ok(reads)
 }

@@ -4,7 +4,7 @@
 
 use super::{state_of, view_of, State};
 use courier_proto::domain::{JobFilter, JobKey, JobStateKind, JobView, TypeStats};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
 
 /// Where a slice ended.
@@ -54,10 +54,15 @@ impl State {
         budget: usize,
         stats: &mut BTreeMap<(String, String), TypeStats>,
     ) -> SliceEnd {
+        // Counted under keys borrowed from the jobs, and added to `stats` once per
+        // type and tenant at the end: no allocation per job looked at.
+        let mut here: HashMap<(&str, &str), TypeStats> = HashMap::new();
         let mut last = after;
+        let mut end = SliceEnd::End;
         for (n, (key, j)) in self.jobs_after(after).enumerate() {
             if n >= budget {
-                return SliceEnd::After(last);
+                end = SliceEnd::After(last);
+                break;
             }
             last = Some(*key);
             if !tenants.is_none_or(|t| t.contains(&j.tenant_id)) {
@@ -67,13 +72,9 @@ impl State {
             if !filter.matches(&j.job_type, &j.tenant_id, state, j.created_at) {
                 continue;
             }
-            let s = stats
-                .entry((j.job_type.clone(), j.tenant_id.clone()))
-                .or_insert_with(|| TypeStats {
-                    job_type: j.job_type.clone(),
-                    tenant_id: j.tenant_id.clone(),
-                    ..TypeStats::default()
-                });
+            let s = here
+                .entry((j.job_type.as_str(), j.tenant_id.as_str()))
+                .or_default();
             s.count(state);
             if state == JobStateKind::Activatable {
                 s.oldest_waiting = Some(
@@ -82,7 +83,17 @@ impl State {
                 );
             }
         }
-        SliceEnd::End
+        for ((job_type, tenant_id), counted) in here {
+            stats
+                .entry((job_type.to_owned(), tenant_id.to_owned()))
+                .or_insert_with(|| TypeStats {
+                    job_type: job_type.to_owned(),
+                    tenant_id: tenant_id.to_owned(),
+                    ..TypeStats::default()
+                })
+                .merge(&counted);
+        }
+        end
     }
 
     fn jobs_after(&self, after: Option<JobKey>) -> impl Iterator<Item = (&JobKey, &super::Job)> {
