@@ -161,7 +161,8 @@ struct Latencies {
 
 impl Page {
     /// p50 and p99 (in ms) of create-to-push and of ActivateJobs over the last
-    /// [`LATENCY_WINDOW`] or more; null where nothing was observed.
+    /// [`LATENCY_WINDOW`] or more (since the start, until the page's first look
+    /// is that old); null where nothing was observed.
     fn latency(&self) -> Value {
         let now = Instant::now();
         let current = gather();
@@ -175,10 +176,10 @@ impl Page {
         {
             samples.pop_front();
         }
-        // The first look takes everything since the process started.
-        let base = match samples.len() {
-            1 => Latencies::default(),
-            _ => samples.front().map(|(_, l)| l.clone()).unwrap_or_default(),
+        // Until a sample is a window old, everything since the process started.
+        let base = match samples.front() {
+            Some((t, l)) if now.duration_since(*t) >= LATENCY_WINDOW => l.clone(),
+            _ => Latencies::default(),
         };
         let q = |cur: &[(f64, u64)], old: &[(f64, u64)], p: f64| -> Value {
             quantile(cur, old, p).map_or(Value::Null, |s| json!(s * 1000.0))

@@ -106,6 +106,24 @@ impl ActivationRate {
     }
 }
 
+impl ActivationRate {
+    /// The job types and tenants activated within the window.
+    fn recent(&self) -> Vec<(String, String)> {
+        let now = self.started.elapsed().as_secs();
+        let mut by = lock(&self.by);
+        let mut out = Vec::new();
+        for (job_type, tenants) in by.iter_mut() {
+            for (tenant, w) in tenants.iter_mut() {
+                w.advance(now);
+                if w.counts.iter().any(|&c| c > 0) {
+                    out.push((job_type.clone(), tenant.clone()));
+                }
+            }
+        }
+        out
+    }
+}
+
 impl Partition {
     /// Waits until this replica has applied everything committed when it was
     /// asked, having checked with a majority that it still leads.
@@ -177,6 +195,28 @@ impl Partition {
             }
             tokio::task::yield_now().await;
         }
+        // A type whose jobs are all taken as they come has none to count, but
+        // its workers are busy: it is shown with its rate, unless the filter asks
+        // for jobs in some state or created in some time.
+        let about_jobs = !filter.states.is_empty()
+            || filter.created_after.is_some()
+            || filter.created_before.is_some();
+        if !about_jobs {
+            for (job_type, tenant) in self.activations.recent() {
+                let wanted = filter.job_type.as_ref().is_none_or(|t| *t == job_type)
+                    && (filter.tenants.is_empty() || filter.tenants.contains(&tenant))
+                    && tenants.is_none_or(|t| t.contains(&tenant));
+                if wanted {
+                    stats
+                        .entry((job_type.clone(), tenant.clone()))
+                        .or_insert_with(|| TypeStats {
+                            job_type,
+                            tenant_id: tenant,
+                            ..TypeStats::default()
+                        });
+                }
+            }
+        }
         let mut out: Vec<TypeStats> = stats.into_values().collect();
         for s in &mut out {
             s.activations_per_second = self.activations.per_second(&s.job_type, &s.tenant_id);
@@ -208,7 +248,14 @@ mod tests {
         rate.add("a", "t", 18);
         tokio::time::advance(std::time::Duration::from_secs(1)).await;
         assert_eq!(rate.per_second("a", "t"), 3.0);
+        let mut recent = rate.recent();
+        recent.sort();
+        assert_eq!(recent, [("a".into(), "t".into()), ("b".into(), "t".into())]);
         tokio::time::advance(std::time::Duration::from_secs(30)).await;
         assert_eq!(rate.per_second("a", "t"), 0.0);
+        assert!(
+            rate.recent().is_empty(),
+            "nothing activated within the window"
+        );
     }
 }
