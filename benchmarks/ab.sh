@@ -14,7 +14,7 @@ PIDS=()
 stop_all() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; PIDS=(); }
 cleanup() { stop_all; git worktree remove --force "$WORK/base-src" 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+source benchmarks/cluster.sh
 
 # The base's server binary, built in a worktree with a target directory of its own
 # (cargo names a workspace's build outputs by package, not by path, so the two trees
@@ -27,24 +27,8 @@ BENCH=$PWD/target/release/courier-bench
 declare -A SERVER=([base]="$WORK/base/courier" [head]="$PWD/target/release/courier")
 
 start() { # arm
-  local bin=${SERVER[$1]} ports peers i
-  rm -rf "$WORK/data"
-  ports=("$(free_port)" "$(free_port)" "$(free_port)")
-  peers="1=127.0.0.1:${ports[0]},2=127.0.0.1:${ports[1]},3=127.0.0.1:${ports[2]}"
-  for i in 1 2 3; do
-    "$bin" broker --node-id $i --addr "127.0.0.1:${ports[$((i-1))]}" --peers "$peers" \
-      --partitions 3 --replication-factor 3 --data-dir "$WORK/data/b$i" >"$WORK/b$i.log" 2>&1 &
-    PIDS+=($!)
-  done
-  ADDR="127.0.0.1:$(free_port)"
-  "$bin" gateway --addr "$ADDR" --brokers "127.0.0.1:${ports[0]},127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}" >"$WORK/gw.log" 2>&1 &
-  PIDS+=($!)
-  for _ in $(seq 1 200); do
-    if "$bin" status --address "$ADDR" --retry-budget 0s 2>/dev/null | grep -q PARTITION \
-      && ! "$bin" status --address "$ADDR" --retry-budget 0s | grep -q "no leader"; then return 0; fi
-    sleep 0.1
-  done
-  echo "the $1 cluster did not become ready" >&2; exit 1
+  rm -rf "$WORK/data"; mkdir -p "$WORK/data"
+  start_cluster "${SERVER[$1]}" "$WORK/data"
 }
 
 # A row's columns: | label | scenario | p50 | p90 | p99 | ...

@@ -15,23 +15,8 @@ WORK=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-
-ports=("$(free_port)" "$(free_port)" "$(free_port)")
-peers="1=127.0.0.1:${ports[0]},2=127.0.0.1:${ports[1]},3=127.0.0.1:${ports[2]}"
-for i in 1 2 3; do
-  "$BIN/courier" broker --node-id $i --addr "127.0.0.1:${ports[$((i-1))]}" --peers "$peers" \
-    --partitions 3 --replication-factor 3 --data-dir "$WORK/b$i" >"$WORK/b$i.log" 2>&1 &
-  PIDS+=($!)
-done
-ADDR="127.0.0.1:$(free_port)"
-"$BIN/courier" gateway --addr "$ADDR" --brokers "127.0.0.1:${ports[0]},127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}" >"$WORK/gw.log" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 1 200); do
-  if "$BIN/courier" status --address "$ADDR" --retry-budget 0s 2>/dev/null | grep -q PARTITION \
-    && ! "$BIN/courier" status --address "$ADDR" --retry-budget 0s | grep -q "no leader"; then break; fi
-  sleep 0.1
-done
+source benchmarks/cluster.sh
+start_cluster "$BIN/courier" "$WORK"
 "$BIN/courier" job create waiting --count "$BACKLOG" --address "$ADDR" >/dev/null
 
 echo "Backlog: $BACKLOG waiting jobs over 3 partitions; reads: $READS ListJobs (1,000 a page) and $READS JobStats a second."

@@ -457,6 +457,15 @@ pub struct TypeStats {
 }
 
 impl TypeStats {
+    /// Nothing counted yet for `job_type` and `tenant_id`.
+    pub fn new(job_type: String, tenant_id: String) -> TypeStats {
+        TypeStats {
+            job_type,
+            tenant_id,
+            ..TypeStats::default()
+        }
+    }
+
     /// Adds `other`'s counts (another partition's) to these.
     pub fn merge(&mut self, other: &TypeStats) {
         self.activatable += other.activatable;

@@ -84,13 +84,10 @@ impl State {
             }
         }
         for ((job_type, tenant_id), counted) in here {
+            let (job_type, tenant_id) = (job_type.to_owned(), tenant_id.to_owned());
             stats
-                .entry((job_type.to_owned(), tenant_id.to_owned()))
-                .or_insert_with(|| TypeStats {
-                    job_type: job_type.to_owned(),
-                    tenant_id: tenant_id.to_owned(),
-                    ..TypeStats::default()
-                })
+                .entry((job_type.clone(), tenant_id.clone()))
+                .or_insert_with(|| TypeStats::new(job_type, tenant_id))
                 .merge(&counted);
         }
         end

@@ -209,11 +209,7 @@ impl Partition {
                 if wanted {
                     stats
                         .entry((job_type.clone(), tenant.clone()))
-                        .or_insert_with(|| TypeStats {
-                            job_type,
-                            tenant_id: tenant,
-                            ..TypeStats::default()
-                        });
+                        .or_insert_with(|| TypeStats::new(job_type, tenant));
                 }
             }
         }
