@@ -37,9 +37,29 @@ struct JobHistory {
     /// The cluster answered NOT_FOUND for it at the end: with `completion_unknown`,
     /// that completion was applied.
     gone: bool,
+    /// Outcomes the cluster refused: (worker, what it said).
+    refusals: Vec<(String, String)>,
+    /// How the cluster held it when the drain gave up on it.
+    end_state: Option<String>,
 }
 
 impl JobHistory {
+    /// What happened to the job, as far as the workload saw it, for a violation.
+    fn account(&self) -> String {
+        let mut parts = vec![format!("{} deliveries", self.deliveries.len())];
+        for (worker, why) in &self.refusals {
+            parts.push(format!("{worker}'s outcome refused: {why}"));
+        }
+        if self.completion_unknown {
+            parts.push("a completion of unknown outcome".into());
+        }
+        parts.push(format!(
+            "at the end: {}",
+            self.end_state.as_deref().unwrap_or("not looked up")
+        ));
+        parts.join("; ")
+    }
+
     /// Completed by a completion whose answer was lost: sent, and the job is gone.
     fn done(&self) -> bool {
         self.completion_unknown && self.gone
@@ -104,8 +124,17 @@ impl History {
         self.with(|h| h.jobs.entry(key).or_default().gone = true);
     }
 
-    pub fn outcome_refused(&self) {
-        self.with(|h| h.outcomes_refused += 1);
+    pub fn outcome_refused(&self, key: i64, worker: &str, why: String) {
+        self.with(|h| {
+            h.outcomes_refused += 1;
+            let job = h.jobs.entry(key).or_default();
+            job.refusals.push((worker.to_string(), why));
+        });
+    }
+
+    /// How the cluster holds job `key` after the drain gave up on it, for the report.
+    pub fn end_state(&self, key: i64, state: String) {
+        self.with(|h| h.jobs.entry(key).or_default().end_state = Some(state));
     }
 
     /// Acknowledged creates with no acknowledged completion, each with whether a
@@ -162,7 +191,8 @@ fn check_job(key: i64, job: &JobHistory, v: &mut Verdict) {
     match job.completions.as_slice() {
         [] if job.done() => v.completed_unknown_outcome += 1,
         [] if job.created_ms.is_some() => v.violations.push(format!(
-            "job {key}: its create was acknowledged but it never completed"
+            "job {key}: its create was acknowledged but it never completed ({})",
+            job.account()
         )),
         [] => {}
         [(_, done_ms), rest @ ..] => {

@@ -351,6 +351,30 @@ async fn drain(history: &history::History, addrs: &[String], within: Duration) {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     say(&format!("not drained within {within:?}"));
+    for (key, _) in history.open_jobs() {
+        let mut state = "no gateway answered".to_string();
+        for c in &clients {
+            match c.get_job(key).await {
+                Ok(j) => {
+                    state = format!(
+                        "{:?}, {} retries, worker {:?}, deadline {}, retry at {}",
+                        j.state(),
+                        j.retries,
+                        j.worker,
+                        j.deadline,
+                        j.retry_at
+                    );
+                    break;
+                }
+                Err(e) if e.code() == Some(tonic::Code::NotFound) => {
+                    state = "gone (NOT_FOUND)".into();
+                    break;
+                }
+                Err(e) => state = e.to_string(),
+            }
+        }
+        history.end_state(key, state);
+    }
 }
 
 /// A line of the run's log, stamped with the wall clock.

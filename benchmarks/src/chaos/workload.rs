@@ -160,7 +160,7 @@ fn worker(
                 Ok(()) if complete => h.completed(key, &me, now_ms()),
                 Ok(()) => {}
                 Err(e) if complete && e.outcome_unknown() => h.completion_unknown(key),
-                Err(_) => h.outcome_refused(),
+                Err(e) => h.outcome_refused(key, &me, format!("{outcome:?}: {e}")),
             }
         })
         .spawn()?;

@@ -192,7 +192,7 @@ impl Router {
                 // anything until its majority is back: no use waiting on it.
                 Ok(Err(e @ BrokerError::NoMajority(_))) => {
                     return Err(RouteFailure {
-                        error: e,
+                        error: unsettled(request, maybe_applied, e),
                         not_applied,
                     })
                 }
@@ -216,12 +216,13 @@ impl Router {
                         .leaderless_for(partition)
                         .filter(|d| *d >= LEADERLESS_OUTAGE)
                     {
+                        let e = BrokerError::NoMajority(format!(
+                            "partition {partition} has had no leader for {} s: too few \
+                             of its replicas are up to elect one",
+                            d.as_secs()
+                        ));
                         return Err(RouteFailure {
-                            error: BrokerError::NoMajority(format!(
-                                "partition {partition} has had no leader for {} s: too few \
-                                 of its replicas are up to elect one",
-                                d.as_secs()
-                            )),
+                            error: unsettled(request, maybe_applied, e),
                             not_applied,
                         });
                     }
@@ -254,7 +255,7 @@ impl Router {
             if wake >= until.min(deadline) || self.clients.is_cancelled() {
                 tracing::debug!(%partition, reason, last, "giving up");
                 return Err(RouteFailure {
-                    error: given_up(partition, reason, last),
+                    error: unsettled(request, maybe_applied, given_up(partition, reason, last)),
                     not_applied,
                 });
             }
@@ -446,6 +447,26 @@ fn settled_earlier(request: &Request, maybe_applied: bool, error: &BrokerError) 
         .then_some(Reply::Done)
 }
 
+/// The error for a command given up on after an attempt whose answer was lost: a
+/// "not now" (UNAVAILABLE, RESOURCE_EXHAUSTED) would tell the client to send it
+/// again, but the lost attempt may yet be applied (a completion sent again would
+/// then be refused as NOT_FOUND, a fail would fail the job's next run). The client
+/// is told the outcome is unknown instead. An activation is left as it is: the
+/// jobs of a lost one come back after their timeout, and the caller polls again.
+fn unsettled(request: &Request, maybe_applied: bool, error: BrokerError) -> BrokerError {
+    let command = match request {
+        Request::Command(c) => c.inner(),
+        _ => return error,
+    };
+    if !maybe_applied || command.activation().is_some() || !error.is_retryable() {
+        return error;
+    }
+    BrokerError::OutcomeUnknown(format!(
+        "{error}; an earlier attempt may have been carried out, its answer was lost: \
+         look before sending it again"
+    ))
+}
+
 /// The error a request gets when its retries run out, from the reason of the last
 /// attempt. Back pressure stays back pressure (RESOURCE_EXHAUSTED), so the client backs
 /// off and retries as it would against Zeebe; anything else is UNAVAILABLE.
@@ -487,6 +508,42 @@ mod tests {
         assert_eq!(settled_earlier(&fail, true, &gone), None);
         let busy = BrokerError::FailedPrecondition("not activated".into());
         assert_eq!(settled_earlier(&complete, true, &busy), None);
+    }
+
+    #[test]
+    fn a_command_given_up_after_a_lost_answer_has_an_unknown_outcome() {
+        use courier_proto::domain::{ActivationProps, JobKey};
+        let complete = Request::Command(Command::Complete {
+            key: JobKey(1 << 51),
+            variables: None,
+        });
+        let down = || BrokerError::Unavailable("partition 1 is unavailable".into());
+        let e = unsettled(&complete, true, down());
+        assert!(matches!(e, BrokerError::OutcomeUnknown(_)), "{e:?}");
+        assert_eq!(tonic::Status::from(e).code(), tonic::Code::DeadlineExceeded);
+        let e = unsettled(&complete, true, BrokerError::NoMajority("no leader".into()));
+        assert!(matches!(e, BrokerError::OutcomeUnknown(_)), "{e:?}");
+        // Nothing was sent that could have landed: the client may send it again.
+        assert_eq!(unsettled(&complete, false, down()), down());
+        // A refusal is the answer itself.
+        let gone = BrokerError::NotFound("no such job".into());
+        assert_eq!(unsettled(&complete, true, gone.clone()), gone);
+        // Reads and activations are sent again harmlessly.
+        let read = Request::GetJob {
+            key: JobKey(1 << 51),
+        };
+        assert_eq!(unsettled(&read, true, down()), down());
+        let poll = Request::Command(Command::Activate {
+            props: ActivationProps {
+                job_type: "t".into(),
+                worker: "w".into(),
+                timeout_ms: 1000,
+                fetch_variables: vec![],
+                tenant_ids: vec!["<default>".into()],
+            },
+            max_jobs: 1,
+        });
+        assert_eq!(unsettled(&poll, true, down()), down());
     }
 
     #[test]
