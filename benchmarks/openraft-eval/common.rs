@@ -32,8 +32,14 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
 
 /// Runs both measurements with `write` (one replicated write, answered once
 /// applied on the leader) and prints one line each.
-pub async fn measure<W, F>(arm: &str, mode: &str, write: W, sequential: usize, seconds: u64, writers: usize)
-where
+pub async fn measure<W, F>(
+    arm: &str,
+    mode: &str,
+    write: W,
+    sequential: usize,
+    seconds: u64,
+    writers: usize,
+) where
     W: Fn() -> F + Clone + Send + Sync + 'static,
     F: Future<Output = bool> + Send,
 {
@@ -84,7 +90,15 @@ where
 }
 
 /// One Markdown row: latency percentiles, writes per second, CPU per write.
-fn row(arm: &str, mode: &str, writers: &str, mut lat: Vec<Duration>, n: u64, wall: Duration, cpu: Duration) {
+fn row(
+    arm: &str,
+    mode: &str,
+    writers: &str,
+    mut lat: Vec<Duration>,
+    n: u64,
+    wall: Duration,
+    cpu: Duration,
+) {
     lat.sort();
     println!(
         "| {arm} | {mode} | {writers} | {:.3} | {:.3} | {:.3} | {:.0} | {:.0} |",

@@ -65,7 +65,10 @@ impl RaftLogStorage<Tc> for LogStore {
     async fn get_log_state(&mut self) -> Result<LogState<Tc>, io::Error> {
         let g = self.inner.lock().unwrap();
         let last = g.log.values().next_back().map(|e| e.log_id).or(g.purged);
-        Ok(LogState { last_purged_log_id: g.purged, last_log_id: last })
+        Ok(LogState {
+            last_purged_log_id: g.purged,
+            last_log_id: last,
+        })
     }
 
     async fn get_log_reader(&mut self) -> Self::LogReader {
@@ -143,13 +146,17 @@ impl RaftStateMachine<Tc> for Sm {
     type SnapshotData = u64;
     type SnapshotBuilder = Sm;
 
-    async fn applied_state(&mut self) -> Result<(Option<LogIdOf<Tc>>, StoredMembershipOf<Tc>), io::Error> {
+    async fn applied_state(
+        &mut self,
+    ) -> Result<(Option<LogIdOf<Tc>>, StoredMembershipOf<Tc>), io::Error> {
         Ok((self.applied, self.membership.clone()))
     }
 
     async fn apply<Strm>(&mut self, mut entries: Strm) -> Result<(), io::Error>
     where
-        Strm: futures_util::Stream<Item = Result<EntryResponder<Tc>, io::Error>> + Unpin + OptionalSend,
+        Strm: futures_util::Stream<Item = Result<EntryResponder<Tc>, io::Error>>
+            + Unpin
+            + OptionalSend,
     {
         while let Some(item) = entries.next().await {
             let (e, responder) = item?;
@@ -169,7 +176,11 @@ impl RaftStateMachine<Tc> for Sm {
         self.clone()
     }
 
-    async fn install_snapshot(&mut self, meta: &SnapshotMetaOf<Tc>, snapshot: u64) -> Result<(), io::Error> {
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMetaOf<Tc>,
+        snapshot: u64,
+    ) -> Result<(), io::Error> {
         self.applied = meta.last_log_id;
         self.membership = meta.last_membership.clone();
         self.count = snapshot;
@@ -223,7 +234,10 @@ mod net {
     impl RaftNetworkFactory<Tc> for Router {
         type Network = Conn;
         async fn new_client(&mut self, target: NodeId, _node: &BasicNode) -> Conn {
-            Conn { router: self.clone(), target }
+            Conn {
+                router: self.clone(),
+                target,
+            }
         }
     }
 
@@ -235,28 +249,43 @@ mod net {
             rpc: AppendEntriesRequest<Tc>,
             _option: RPCOption,
         ) -> Result<AppendEntriesResponse<Tc>, RPCError<Tc>> {
-            self.node()?.append_entries(rpc).await.map_err(|e| unreachable(&e))
+            self.node()?
+                .append_entries(rpc)
+                .await
+                .map_err(|e| unreachable(&e))
         }
 
         fn stream_append<'s, S>(
             &'s mut self,
             input: S,
             option: RPCOption,
-        ) -> BoxFuture<'s, Result<BoxStream<'s, Result<StreamAppendResult<Tc>, RPCError<Tc>>>, RPCError<Tc>>>
+        ) -> BoxFuture<
+            's,
+            Result<BoxStream<'s, Result<StreamAppendResult<Tc>, RPCError<Tc>>>, RPCError<Tc>>,
+        >
         where
-            S: futures_util::Stream<Item = AppendEntriesRequest<Tc>> + OptionalSend + Unpin + 'static,
+            S: futures_util::Stream<Item = AppendEntriesRequest<Tc>>
+                + OptionalSend
+                + Unpin
+                + 'static,
         {
             if !self.router.pipelined {
                 return openraft::network::stream_append_sequential(self, input, option);
             }
             Box::pin(async move {
                 let node = self.node()?;
-                let out = node.stream_append(input).map(|r| r.map_err(|e| unreachable(&e)));
+                let out = node
+                    .stream_append(input)
+                    .map(|r| r.map_err(|e| unreachable(&e)));
                 Ok(Box::pin(out) as BoxStream<'s, _>)
             })
         }
 
-        async fn vote(&mut self, rpc: VoteRequest<Tc>, _option: RPCOption) -> Result<VoteResponse<Tc>, RPCError<Tc>> {
+        async fn vote(
+            &mut self,
+            rpc: VoteRequest<Tc>,
+            _option: RPCOption,
+        ) -> Result<VoteResponse<Tc>, RPCError<Tc>> {
             self.node()?.vote(rpc).await.map_err(|e| unreachable(&e))
         }
 
@@ -302,7 +331,10 @@ async fn run() {
         .validate()
         .expect("config"),
     );
-    let router = Router { nodes: Arc::default(), pipelined };
+    let router = Router {
+        nodes: Arc::default(),
+        pipelined,
+    };
     for id in 1..=3u64 {
         let log = LogStore {
             inner: Arc::default(),

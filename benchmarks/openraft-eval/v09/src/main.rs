@@ -9,8 +9,7 @@ use common::LogFile;
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage, RaftStateMachine, Snapshot};
 use openraft::{
     BasicNode, Config, Entry, EntryPayload, LogId, OptionalSend, RaftLogReader,
-    RaftSnapshotBuilder, SnapshotMeta, SnapshotPolicy, StorageError,
-    StoredMembership, Vote,
+    RaftSnapshotBuilder, SnapshotMeta, SnapshotPolicy, StorageError, StoredMembership, Vote,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::io::Cursor;
@@ -50,7 +49,10 @@ impl RaftLogStorage<Tc> for LogStore {
     async fn get_log_state(&mut self) -> Result<LogState<Tc>, StorageError<NodeId>> {
         let g = self.inner.lock().unwrap();
         let last = g.log.values().next_back().map(|e| e.log_id).or(g.purged);
-        Ok(LogState { last_purged_log_id: g.purged, last_log_id: last })
+        Ok(LogState {
+            last_purged_log_id: g.purged,
+            last_log_id: last,
+        })
     }
 
     async fn get_log_reader(&mut self) -> Self::LogReader {
@@ -66,7 +68,11 @@ impl RaftLogStorage<Tc> for LogStore {
         Ok(self.inner.lock().unwrap().vote)
     }
 
-    async fn append<I>(&mut self, entries: I, callback: LogFlushed<Tc>) -> Result<(), StorageError<NodeId>>
+    async fn append<I>(
+        &mut self,
+        entries: I,
+        callback: LogFlushed<Tc>,
+    ) -> Result<(), StorageError<NodeId>>
     where
         I: IntoIterator<Item = Entry<Tc>> + OptionalSend,
         I::IntoIter: OptionalSend,
@@ -131,7 +137,8 @@ impl RaftStateMachine<Tc> for Sm {
 
     async fn applied_state(
         &mut self,
-    ) -> Result<(Option<LogId<NodeId>>, StoredMembership<NodeId, BasicNode>), StorageError<NodeId>> {
+    ) -> Result<(Option<LogId<NodeId>>, StoredMembership<NodeId, BasicNode>), StorageError<NodeId>>
+    {
         Ok((self.applied, self.membership.clone()))
     }
 
@@ -156,7 +163,9 @@ impl RaftStateMachine<Tc> for Sm {
         self.clone()
     }
 
-    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError<NodeId>> {
+    async fn begin_receiving_snapshot(
+        &mut self,
+    ) -> Result<Box<Cursor<Vec<u8>>>, StorageError<NodeId>> {
         Ok(Box::new(Cursor::new(Vec::new())))
     }
 
@@ -197,16 +206,25 @@ mod net {
 
     impl Conn {
         fn node<E: std::error::Error>(&self) -> Result<Raft, RPCError<NodeId, BasicNode, E>> {
-            self.router.0.lock().unwrap().get(&self.target).cloned().ok_or_else(|| {
-                RPCError::Unreachable(Unreachable::new(&std::io::Error::other("no such node")))
-            })
+            self.router
+                .0
+                .lock()
+                .unwrap()
+                .get(&self.target)
+                .cloned()
+                .ok_or_else(|| {
+                    RPCError::Unreachable(Unreachable::new(&std::io::Error::other("no such node")))
+                })
         }
     }
 
     impl RaftNetworkFactory<Tc> for Router {
         type Network = Conn;
         async fn new_client(&mut self, target: NodeId, _node: &BasicNode) -> Conn {
-            Conn { router: self.clone(), target }
+            Conn {
+                router: self.clone(),
+                target,
+            }
         }
     }
 
@@ -217,7 +235,9 @@ mod net {
             _option: RPCOption,
         ) -> Result<AppendEntriesResponse<NodeId>, Err> {
             let n = self.node::<RaftError<NodeId>>()?;
-            n.append_entries(rpc).await.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
+            n.append_entries(rpc)
+                .await
+                .map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
         }
 
         async fn install_snapshot(
@@ -226,7 +246,9 @@ mod net {
             _option: RPCOption,
         ) -> Result<InstallSnapshotResponse<NodeId>, Err<InstallSnapshotError>> {
             let n = self.node::<RaftError<NodeId, InstallSnapshotError>>()?;
-            n.install_snapshot(rpc).await.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
+            n.install_snapshot(rpc)
+                .await
+                .map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
         }
 
         async fn vote(
@@ -235,7 +257,9 @@ mod net {
             _option: RPCOption,
         ) -> Result<VoteResponse<NodeId>, Err> {
             let n = self.node::<RaftError<NodeId>>()?;
-            n.vote(rpc).await.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
+            n.vote(rpc)
+                .await
+                .map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
         }
     }
 }
