@@ -5,6 +5,8 @@
 #   bash benchmarks/run.sh --quick   short run (under 2 minutes): the 3-broker fsync
 #                                    cluster's latency rows, JetStream at 1,000/s, and
 #                                    the slow-worker and burst scenarios, 2 s a row
+#   bash benchmarks/run.sh --peer    the rows against JetStream and the full
+#                                    lifecycle, both modes, printed (about 6 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
@@ -16,6 +18,9 @@ DURATION=10; WARMUP=2; FLOW=20; BURST=50000; MODES=(fsync replicated); QUICK=
 RATE_DURATION=30; RATE_SEGMENTS=3
 # --quick: the 3-broker cluster in fsync mode only, short rows and scenarios.
 if [[ "${1:-}" == "--quick" ]]; then DURATION=2; WARMUP=1; FLOW=4; BURST=2000; MODES=(fsync); QUICK=1; RATE_DURATION=2; RATE_SEGMENTS=2; fi
+# --peer: only the rows against JetStream and the full lifecycle's throughput, on 3
+# brokers in both modes (about 6 minutes), printed rather than written to RESULTS.md.
+PEER_ONLY=; [[ "${1:-}" == "--peer" ]] && PEER_ONLY=1
 
 cargo build --release -p courier-cli -p courier-bench
 BIN=target/release
@@ -28,7 +33,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_ready() { # address
   for _ in $(seq 1 200); do
     if "$BIN/courier" status --address "$1" --retry-budget 0s 2>/dev/null | grep -q "PARTITION"; then
@@ -40,20 +44,8 @@ wait_ready() { # address
 }
 stop_all() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; PIDS=(); }
 
-# CPU used by the servers under test, as a last column: user + system time of the
-# given processes (all their threads) while the row ran, divided by the row's wall
-# time (warm-up, measurement and drain), in cores of this 2-core machine.
-HZ=$(getconf CLK_TCK)
-cpu_ticks() { local t=0 p v; for p in "$@"; do v=$(awk '{print $14+$15}' "/proc/$p/stat" 2>/dev/null || echo 0); t=$((t+v)); done; echo "$t"; }
-with_cpu() { # "PIDS" command... -> the command's row, with a CPU column
-  local pids=$1 t0 w0 out t1 w1; shift
-  # shellcheck disable=SC2086
-  t0=$(cpu_ticks $pids); w0=$(date +%s.%N)
-  out=$("$@")
-  # shellcheck disable=SC2086
-  t1=$(cpu_ticks $pids); w1=$(date +%s.%N)
-  echo "$out $(awk -v c=$((t1-t0)) -v hz="$HZ" -v a="$w0" -v b="$w1" 'BEGIN{printf "%.2f", c/hz/(b-a)}') |"
-}
+# with_cpu, cpu_per_k and col; this script starts its clusters its own way (below).
+source benchmarks/cluster.sh
 
 ROWS=()
 bench() { # label address
@@ -63,7 +55,6 @@ bench() { # label address
 
 E2E=()
 RATIOS=()
-col() { echo "$1" | awk -F'|' -v c="$2" '{gsub(/ /,"",$c); print $c}'; }
 e2e() { # label address
   local e=(with_cpu "${PIDS[*]}" "$BIN/courier-bench" e2e --address "$2" --label "$1" --duration "$DURATION" --warmup "$WARMUP")
   local commit push1 poll1 pushr pollr pusht pollt
@@ -136,9 +127,10 @@ start_cluster() { # durability [data-dir tag: a fresh cluster per tag]
 # alternating from one scenario to the next (C J, J C, C J, J C), so a drift in machine
 # speed does not favour one side. Courier rows carry the ratio Courier / JetStream.
 PEER=()
-vs() { # courier-row jetstream-row -> "p50 ratio | p99 ratio"
+vs() { # courier-row jetstream-row -> "p50 ratio | p99 ratio | CPU per job ratio"
   awk -v a="$(col "$1" 4)" -v b="$(col "$2" 4)" -v c="$(col "$1" 6)" -v d="$(col "$2" 6)" \
-    'BEGIN{printf "%.2f | %.2f", (b>0?a/b:0), (d>0?c/d:0)}'
+    -v e="$(cpu_per_k "$1")" -v f="$(cpu_per_k "$2")" \
+    'BEGIN{printf "%.2f | %.2f | %.2f", (b>0?a/b:0), (d>0?c/d:0), (f>0?e/f:0)}'
 }
 peer() { # label address
   local servers c j i=0 s
@@ -157,7 +149,7 @@ peer() { # label address
     local jpids; jpids=$(cat "$WORK"/jetstream/n*/pid)
     if (( i % 2 == 0 )); then c=$(with_cpu "${PIDS[*]}" peer_courier "$1" "$2" "${ca[@]}"); j=$(with_cpu "$jpids" "${jj[@]}" "${ja[@]}")
     else j=$(with_cpu "$jpids" "${jj[@]}" "${ja[@]}"); c=$(with_cpu "${PIDS[*]}" peer_courier "$1" "$2" "${ca[@]}"); fi
-    PEER+=("$c $(vs "$c" "$j") |" "$j - | - |")
+    PEER+=("$c $(cpu_per_k "$c") | $(vs "$c" "$j") |" "$j $(cpu_per_k "$j") | - | - | - |")
     i=$((i+1))
   done
   bash benchmarks/jetstream.sh stop "$WORK/jetstream"
@@ -189,7 +181,7 @@ flow() { # label address
 
 # Micro-benchmarks of the broker's hot path (criterion), as name and time per iteration.
 MICRO=()
-if [[ -z $QUICK ]]; then
+if [[ -z $QUICK && -z $PEER_ONLY ]]; then
   while read -r _ name _ _ ns _; do
     MICRO+=("| \`$name\` | $(awk -v n="${ns//,/}" 'BEGIN{printf "%.2f", n/1000}') |")
   done < <(cargo bench -p courier-broker --bench hot_path -- --warm-up-time 1 --measurement-time 3 --output-format bencher 2>/dev/null | grep '^test ')
@@ -198,13 +190,33 @@ fi
 # What security costs: plain against TLS, mutual TLS and a token (its own clusters,
 # alternating rounds; see benchmarks/security.sh).
 SECURITY=()
-if [[ -z $QUICK ]]; then
+if [[ -z $QUICK && -z $PEER_ONLY ]]; then
   mapfile -t SECURITY < <(ROUNDS="${SECURITY_ROUNDS:-3}" bash benchmarks/security.sh 2>/dev/null | grep '^|')
 fi
 
 # start_* set ADDR rather than print it: a $(...) subshell would lose PIDS, and the
 # processes would outlive the script.
 FSYNC=$("$BIN/courier-bench" fsync-probe --dir "$WORK")
+if [[ -n $PEER_ONLY ]]; then
+  LIFE=()
+  for d in "${MODES[@]}"; do
+    start_cluster "$d" -peer; peer "3 brokers, RF 3, $d" "$ADDR"
+    row=$(with_cpu "${PIDS[*]}" "$BIN/courier-bench" e2e --address "$ADDR" --label "3 brokers, RF 3, $d" --mode push \
+      --workers 8 --in-flight 256 --duration "$DURATION" --warmup "$WARMUP")
+    LIFE+=("$row $(cpu_per_k "$row") |")
+    stop_all
+  done
+  echo "$(date -u +%Y-%m-%d), $FSYNC, commit $(git rev-parse --short HEAD)"
+  echo
+  echo "| topology | scenario | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms | jobs/s | errors | server CPU (cores) | CPU ms per 1,000 jobs | p50 / JetStream | p99 / JetStream | CPU per job / JetStream |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+  printf '%s\n' "${PEER[@]}"
+  echo
+  echo "| topology | scenario | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms | jobs/s | errors | server CPU (cores) | CPU ms per 1,000 jobs |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|"
+  printf '%s\n' "${LIFE[@]}"
+  exit 0
+fi
 # The create rows leave ~100k jobs no worker takes, and the storage engine and
 # snapshots are busy with them for a while after: the latency rows start on a fresh
 # cluster, so neither arm runs in that aftermath.
@@ -279,10 +291,11 @@ done
   echo "Courier's create acknowledged against JetStream's publish acknowledged (PubAck), one at a"
   echo "time. Both systems run during every row; the order of arms alternates. Ratio = Courier /"
   echo "JetStream, below 1 Courier is faster. Targets: replicated no worse (<= 1.00) on p50 and p99 at"
-  echo "1,000 and 5,000 jobs/s; fsync within 1.30."
+  echo "1,000 and 5,000 jobs/s; fsync within 1.30; server CPU per job no more than JetStream's."
+  echo "CPU per 1,000 jobs: the servers' CPU (cores) over the row's rate, in ms."
   echo
-  echo "| topology | scenario | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms | jobs/s | errors | server CPU (cores) | p50 / JetStream | p99 / JetStream |"
-  echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+  echo "| topology | scenario | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms | jobs/s | errors | server CPU (cores) | CPU ms per 1,000 jobs | p50 / JetStream | p99 / JetStream | CPU per job / JetStream |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${PEER[@]}"
   echo
   echo "## Flow control"

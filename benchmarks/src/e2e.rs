@@ -7,8 +7,10 @@ use crate::drive::{self, created_us, now_us, Seen, Window};
 use crate::{histogram, payload, Outcome};
 use anyhow::Context;
 use courier_client::{ActivateJobs, Client, NewJob, StreamJobs};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 
 /// How workers get their jobs.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -53,15 +55,33 @@ pub struct E2eArgs {
     /// Also save the measured latencies to this file, for `merge`.
     #[arg(long)]
     pub histogram_out: Option<std::path::PathBuf>,
+    /// Job types: jobs go round them in turn, and worker `i` takes type `i mod N`.
+    #[arg(long, default_value_t = 1)]
+    pub types: usize,
+    /// Each worker under a name of its own, so the gateway cannot merge their
+    /// streams into one per type: every broker then holds one registration each.
+    #[arg(long)]
+    pub distinct_workers: bool,
+    /// Workers per connection to the gateway (its default bound is 1,000 calls on
+    /// one connection, completions included).
+    #[arg(long, default_value_t = 200)]
+    pub workers_per_connection: usize,
     #[command(flatten)]
     pub security: crate::SecurityArgs,
 }
 
-async fn push_worker(job_type: String, client: Client, seen: Seen) -> anyhow::Result<()> {
+async fn push_worker(
+    job_type: String,
+    worker: String,
+    client: Client,
+    seen: Seen,
+    opened: Arc<Semaphore>,
+) -> anyhow::Result<()> {
     let request = StreamJobs::new(job_type)
-        .worker("bench")
+        .worker(worker)
         .timeout(Duration::from_secs(30));
     let mut stream = client.stream_activated_jobs(request).await?;
+    opened.add_permits(1);
     while let Some(job) = stream.message().await? {
         if let Some(t) = created_us(job.variables.as_bytes()) {
             let _ = seen.send((t, now_us().saturating_sub(t)));
@@ -72,9 +92,14 @@ async fn push_worker(job_type: String, client: Client, seen: Seen) -> anyhow::Re
     Ok(())
 }
 
-async fn poll_worker(job_type: String, client: Client, seen: Seen) -> anyhow::Result<()> {
+async fn poll_worker(
+    job_type: String,
+    worker: String,
+    client: Client,
+    seen: Seen,
+) -> anyhow::Result<()> {
     let req = ActivateJobs::new(job_type)
-        .worker("bench")
+        .worker(worker)
         .max_jobs(32)
         .timeout(Duration::from_secs(30))
         .request_timeout(Duration::from_secs(10));
@@ -100,20 +125,50 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
     client.topology().await.context("gateway not reachable")?;
     // A type of its own, so jobs of other runs never mix in.
     let job_type = format!("bench-{:?}-{}", a.mode, now_us()).to_lowercase();
+    let types: Vec<String> = match a.types {
+        0 | 1 => vec![job_type.clone()],
+        n => (0..n).map(|i| format!("{job_type}-{i}")).collect(),
+    };
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut workers = Vec::new();
-    for _ in 0..a.workers.max(1) {
-        let (t, c, s) = (job_type.clone(), client.clone(), tx.clone());
+    let opened = Arc::new(Semaphore::new(0));
+    let mut connection = client.clone();
+    let n_workers = a.workers.max(1);
+    for i in 0..n_workers {
+        if i > 0 && i % a.workers_per_connection.max(1) == 0 {
+            connection = a.security.client(&a.address)?;
+        }
+        let worker = if a.distinct_workers {
+            format!("bench-{i}")
+        } else {
+            "bench".to_string()
+        };
+        let (t, c, s) = (
+            types[i % types.len()].clone(),
+            connection.clone(),
+            tx.clone(),
+        );
+        let o = Arc::clone(&opened);
         workers.push(tokio::spawn(async move {
             match a.mode {
-                Mode::Push => push_worker(t, c, s).await,
-                Mode::Poll => poll_worker(t, c, s).await,
+                Mode::Push => push_worker(t, worker, c, s, o).await,
+                Mode::Poll => poll_worker(t, worker, c, s).await,
             }
         }));
     }
     drop(tx);
+    if a.mode == Mode::Push {
+        let all = u32::try_from(n_workers).unwrap_or(u32::MAX);
+        tokio::time::timeout(Duration::from_secs(60), opened.acquire_many(all))
+            .await
+            .context("the workers' streams did not all open within 60 s")?
+            .context("opening streams")?
+            .forget();
+    }
     // Streams register with every broker asynchronously; polls park. Let them settle.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::time::sleep(Duration::from_millis(500 + n_workers as u64 / 10)).await;
+    let next_type = AtomicUsize::new(0);
+    let pick = || types[next_type.fetch_add(1, Ordering::Relaxed) % types.len()].clone();
     let pad = payload(a.payload);
     let pad = pad
         .trim_start_matches("{\"p\":\"")
@@ -128,18 +183,21 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
         .map(|n| tokio::spawn(inspect(client.clone(), n, w.until)));
     let load = match (a.rate, a.in_flight) {
         (None, Some(window)) => {
-            let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(window.max(1)));
+            let permits = Arc::new(Semaphore::new(window.max(1)));
             let create_errors = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
             let producer = {
-                let (c, t, p, permits, errs) = (
+                let (c, types, p, permits, errs) = (
                     client.clone(),
-                    job_type.clone(),
+                    types.clone(),
                     pad.clone(),
                     permits.clone(),
                     create_errors.clone(),
                 );
                 tokio::spawn(async move {
-                    while Instant::now() < w.until {
+                    for n in 0.. {
+                        if Instant::now() >= w.until {
+                            break;
+                        }
                         let Ok(permit) = permits.clone().acquire_owned().await else {
                             return;
                         };
@@ -148,7 +206,7 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
                         permit.forget();
                         let (c, t, p, permits, errs) = (
                             c.clone(),
-                            t.clone(),
+                            types[n % types.len()].clone(),
                             p.clone(),
                             permits.clone(),
                             errs.clone(),
@@ -183,14 +241,14 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
         }
         (None, None) => {
             errors += drive::unloaded(&w, &mut rx, &mut h, |created| {
-                client.create_job(job(&job_type, &pad, created))
+                client.create_job(job(&pick(), &pad, created))
             })
             .await;
             "unloaded, 1 job at a time".to_string()
         }
         (Some(rate), _) => {
             errors += drive::open_loop(&w, rate, &mut rx, &mut h, |created| {
-                let (c, j) = (client.clone(), job(&job_type, &pad, created));
+                let (c, j) = (client.clone(), job(&pick(), &pad, created));
                 async move { c.create_job(j).await }
             })
             .await;
@@ -201,6 +259,12 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
         worker.abort();
     }
     let mut load = format!("{:?} {load}", a.mode).to_lowercase();
+    if types.len() > 1 {
+        load = format!("{load} over {} types", types.len());
+    }
+    if a.distinct_workers {
+        load = format!("{load}, each worker named apart");
+    }
     if let (Some(n), Some(inspector)) = (a.inspect_per_sec, inspector) {
         let reads = inspector.await.context("the inspecting task")??;
         eprintln!(
