@@ -121,7 +121,7 @@ impl Router {
         tenants: Option<&[String]>,
         deadline: Instant,
     ) -> Result<Reply, BrokerError> {
-        self.route(partition, request, tenants, deadline, deadline)
+        Box::pin(self.route(partition, request, tenants, deadline, deadline))
             .await
             .map_err(|f| f.error)
     }
@@ -140,10 +140,12 @@ impl Router {
         retry_until: Instant,
         deadline: Instant,
     ) -> Result<Reply, RouteFailure> {
-        self.route(partition, request, None, retry_until, deadline)
-            .await
+        Box::pin(self.route(partition, request, None, retry_until, deadline)).await
     }
 
+    /// Boxed by its callers: its future (the attempt, the mux call, the back-off)
+    /// is kilobytes, and every layer of a request above it would otherwise hold it
+    /// inline and copy it each time that layer's future moves.
     async fn route(
         &self,
         partition: PartitionId,
@@ -461,10 +463,14 @@ fn unsettled(request: &Request, maybe_applied: bool, error: BrokerError) -> Brok
     if !maybe_applied || command.activation().is_some() || !error.is_retryable() {
         return error;
     }
-    BrokerError::OutcomeUnknown(format!(
-        "{error}; an earlier attempt may have been carried out, its answer was lost: \
-         look before sending it again"
-    ))
+    let what = match command {
+        Command::Create(_) => "the job may have been created: look for it before creating it again",
+        _ => {
+            "an earlier attempt may have been carried out, its answer was lost: look before \
+              sending it again"
+        }
+    };
+    BrokerError::OutcomeUnknown(format!("{error}; {what}"))
 }
 
 /// The error a request gets when its retries run out, from the reason of the last
@@ -523,6 +529,9 @@ mod tests {
         assert_eq!(tonic::Status::from(e).code(), tonic::Code::DeadlineExceeded);
         let e = unsettled(&complete, true, BrokerError::NoMajority("no leader".into()));
         assert!(matches!(e, BrokerError::OutcomeUnknown(_)), "{e:?}");
+        let create = Request::Command(Command::Create(vec![]));
+        let e = unsettled(&create, true, down());
+        assert!(e.to_string().contains("may have been created"), "{e}");
         // Nothing was sent that could have landed: the client may send it again.
         assert_eq!(unsettled(&complete, false, down()), down());
         // A refusal is the answer itself.
@@ -597,6 +606,30 @@ mod tests {
         ] {
             assert_eq!(parse_grpc_timeout(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_routed_request_is_a_small_future_to_every_layer_above() {
+        let topology = Arc::new(Topology::new(&["127.0.0.1:1".to_string()]).unwrap());
+        let stop = CancellationToken::new();
+        let router = Router::new(topology, "g", stop.clone(), stop);
+        let request = Request::GetJob {
+            key: courier_proto::domain::JobKey(1 << 51),
+        };
+        let deadline = Instant::now();
+        let inline = router.route(PartitionId(1), &request, None, deadline, deadline);
+        let boxed = router.execute_in(PartitionId(1), &request, None, deadline);
+        let until = router.execute_until(PartitionId(1), &request, deadline, deadline);
+        let (inline, boxed, until) = (
+            std::mem::size_of_val(&inline),
+            std::mem::size_of_val(&boxed),
+            std::mem::size_of_val(&until),
+        );
+        assert!(boxed <= 256 && until <= 256, "{boxed} and {until} bytes");
+        assert!(
+            inline > 4 * boxed,
+            "route is {inline} bytes: no need to box it"
+        );
     }
 
     #[tokio::test]
