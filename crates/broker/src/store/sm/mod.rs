@@ -288,7 +288,11 @@ impl StateMachine {
     /// Writes the changed jobs and records, the counters and last-applied in one
     /// atomic batch.
     fn persist(&self, a: &AppliedState, changes: &Changes) -> Result<(), StorageError<NodeId>> {
-        let mut batch = self.db.database().batch();
+        // Left in fjall's journal buffer instead of written out at once: the next log
+        // append, purge or sync writes it, in order, before anything of its own. What
+        // a crash loses of it is a tail the log replays on start, since nothing that
+        // depends on it (a purge after a snapshot) can reach the disk before it.
+        let mut batch = self.db.database().batch().durability(None);
         for key in &changes.jobs {
             let k = payloads::key_bytes(*key);
             match a.state.job(*key) {
