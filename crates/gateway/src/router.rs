@@ -121,7 +121,7 @@ impl Router {
         tenants: Option<&[String]>,
         deadline: Instant,
     ) -> Result<Reply, BrokerError> {
-        Box::pin(self.route(partition, request, tenants, deadline, deadline))
+        self.route(partition, request, tenants, deadline, deadline)
             .await
             .map_err(|f| f.error)
     }
@@ -140,12 +140,10 @@ impl Router {
         retry_until: Instant,
         deadline: Instant,
     ) -> Result<Reply, RouteFailure> {
-        Box::pin(self.route(partition, request, None, retry_until, deadline)).await
+        self.route(partition, request, None, retry_until, deadline)
+            .await
     }
 
-    /// Boxed by its callers: its future (the attempt, the mux call, the back-off)
-    /// is kilobytes, and every layer of a request above it would otherwise hold it
-    /// inline and copy it each time that layer's future moves.
     async fn route(
         &self,
         partition: PartitionId,
@@ -606,30 +604,6 @@ mod tests {
         ] {
             assert_eq!(parse_grpc_timeout(bad), None, "{bad:?}");
         }
-    }
-
-    #[test]
-    fn a_routed_request_is_a_small_future_to_every_layer_above() {
-        let topology = Arc::new(Topology::new(&["127.0.0.1:1".to_string()]).unwrap());
-        let stop = CancellationToken::new();
-        let router = Router::new(topology, "g", stop.clone(), stop);
-        let request = Request::GetJob {
-            key: courier_proto::domain::JobKey(1 << 51),
-        };
-        let deadline = Instant::now();
-        let inline = router.route(PartitionId(1), &request, None, deadline, deadline);
-        let boxed = router.execute_in(PartitionId(1), &request, None, deadline);
-        let until = router.execute_until(PartitionId(1), &request, deadline, deadline);
-        let (inline, boxed, until) = (
-            std::mem::size_of_val(&inline),
-            std::mem::size_of_val(&boxed),
-            std::mem::size_of_val(&until),
-        );
-        assert!(boxed <= 256 && until <= 256, "{boxed} and {until} bytes");
-        assert!(
-            inline > 4 * boxed,
-            "route is {inline} bytes: no need to box it"
-        );
     }
 
     #[tokio::test]
