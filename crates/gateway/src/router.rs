@@ -528,8 +528,20 @@ mod tests {
         let e = unsettled(&complete, true, BrokerError::NoMajority("no leader".into()));
         assert!(matches!(e, BrokerError::OutcomeUnknown(_)), "{e:?}");
         let create = Request::Command(Command::Create(vec![]));
-        let e = unsettled(&create, true, down());
-        assert!(e.to_string().contains("may have been created"), "{e}");
+        let status = tonic::Status::from(unsettled(
+            &create,
+            true,
+            BrokerError::Unavailable("broker 3 timed out".into()),
+        ));
+        assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
+        assert!(
+            status.message().contains("broker 3 timed out")
+                && status.message().contains("may have been created"),
+            "{}",
+            status.message()
+        );
+        let bad = BrokerError::InvalidArgument("bad variables".into());
+        assert_eq!(unsettled(&create, true, bad.clone()), bad);
         // Nothing was sent that could have landed: the client may send it again.
         assert_eq!(unsettled(&complete, false, down()), down());
         // A refusal is the answer itself.

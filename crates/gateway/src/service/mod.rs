@@ -600,25 +600,14 @@ impl Shared {
                     }
                     last = Some(f.error);
                 }
-                Err(f) => return Err(maybe_created(f.error).into()),
+                // Of unknown outcome when it may have reached a leader (the router's
+                // `unsettled`): never UNAVAILABLE, which clients resend on their own.
+                Err(f) => return Err(f.error.into()),
             }
         }
         Err(last
             .unwrap_or_else(|| BrokerError::Unavailable("request deadline passed".into()))
             .into())
-    }
-}
-
-/// A create that failed after it may have reached a leader: unavailable then means
-/// the outcome is unknown (the leader may have appended it, and a later leader
-/// commits it), so the client is told not to send it again blindly (UNAVAILABLE is
-/// what clients retry on their own, which would create the job twice).
-fn maybe_created(e: BrokerError) -> BrokerError {
-    match e {
-        BrokerError::Unavailable(m) => BrokerError::OutcomeUnknown(format!(
-            "{m}; the job may have been created: look for it before creating it again"
-        )),
-        other => other,
     }
 }
 

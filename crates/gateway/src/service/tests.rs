@@ -3,25 +3,6 @@ use super::*;
 
 use crate::topology::{Leader, PartitionReport};
 
-/// A create whose attempt may have reached a leader and then went unanswered is
-/// reported as of unknown outcome (DEADLINE_EXCEEDED, which clients do not
-/// resend on their own), never as UNAVAILABLE; other answers stay as they are.
-#[test]
-fn a_create_that_may_have_reached_a_leader_fails_with_an_unknown_outcome() {
-    let status: tonic::Status =
-        maybe_created(BrokerError::Unavailable("broker 3 timed out".into())).into();
-    assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
-    assert!(
-        status.message().contains("broker 3 timed out")
-            && status.message().contains("may have been created"),
-        "{}",
-        status.message()
-    );
-    let refused: tonic::Status =
-        maybe_created(BrokerError::InvalidArgument("bad variables".into())).into();
-    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
-}
-
 /// Create ids differ between calls and between gateways (and a gateway's
 /// restart), so no two creates are taken for one.
 #[test]
