@@ -1,27 +1,36 @@
-# Sourced by the benchmark scripts: the servers' CPU over a row (with_cpu), and
-# start_cluster, which starts a 3-broker cluster (PARTITIONS partitions,
-# default 3; RF 3, fsync) and one gateway from the binary BIN, its data and logs under
-# DIR; sets ADDR to the gateway's address and adds the processes to PIDS.
+# Sourced by the benchmark scripts: start_cluster, which starts a 3-broker cluster
+# (PARTITIONS partitions, default 3; RF 3; $DURABILITY, default fsync) and one
+# gateway from the binary BIN, its data and logs under DIR: sets ADDR to the
+# gateway's address, GWPID to its process, BMETRICS and GMETRICS to the brokers' and
+# the gateway's metrics addresses, and adds the processes to PIDS. Also the servers'
+# CPU over a row (with_cpu, cpu_per_k).
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_ready() { # BIN ADDR: until every partition has a leader
+  for _ in $(seq 1 200); do
+    if "$1" status --address "$2" --retry-budget 0s 2>/dev/null | grep -q PARTITION \
+      && ! "$1" status --address "$2" --retry-budget 0s | grep -q "no leader"; then return 0; fi
+    sleep 0.1
+  done
+  echo "the cluster at $2 ($1) did not become ready" >&2; exit 1
+}
 start_cluster() { # BIN DIR [PARTITIONS]
-  local bin=$1 dir=$2 partitions=${3:-3} ports peers i brokers
+  local bin=$1 dir=$2 partitions=${3:-3} ports peers i brokers m
+  mkdir -p "$dir"
   ports=("$(free_port)" "$(free_port)" "$(free_port)")
   peers="1=127.0.0.1:${ports[0]},2=127.0.0.1:${ports[1]},3=127.0.0.1:${ports[2]}"
   brokers="127.0.0.1:${ports[0]},127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}"
+  BMETRICS=""
   for i in 1 2 3; do
+    m="127.0.0.1:$(free_port)"; BMETRICS="$BMETRICS${BMETRICS:+,}$m"
     "$bin" broker --node-id $i --addr "127.0.0.1:${ports[$((i-1))]}" --peers "$peers" \
-      --partitions "$partitions" --replication-factor 3 --data-dir "$dir/b$i" >"$dir/b$i.log" 2>&1 &
+      --partitions "$partitions" --replication-factor 3 --durability "${DURABILITY:-fsync}" \
+      --data-dir "$dir/b$i" --metrics-addr "$m" >"$dir/b$i.log" 2>&1 &
     PIDS+=($!)
   done
-  ADDR="127.0.0.1:$(free_port)"
-  "$bin" gateway --addr "$ADDR" --brokers "$brokers" >"$dir/gw.log" 2>&1 &
-  PIDS+=($!)
-  for _ in $(seq 1 200); do
-    if "$bin" status --address "$ADDR" --retry-budget 0s 2>/dev/null | grep -q PARTITION \
-      && ! "$bin" status --address "$ADDR" --retry-budget 0s | grep -q "no leader"; then return 0; fi
-    sleep 0.1
-  done
-  echo "the cluster of $bin did not become ready" >&2; exit 1
+  ADDR="127.0.0.1:$(free_port)"; GMETRICS="127.0.0.1:$(free_port)"
+  "$bin" gateway --addr "$ADDR" --brokers "$brokers" --metrics-addr "$GMETRICS" >"$dir/gw.log" 2>&1 &
+  PIDS+=($!); GWPID=$!
+  wait_ready "$bin" "$ADDR"
 }
 
 # CPU used by the servers under test, as a last column: user + system time of the

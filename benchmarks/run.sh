@@ -33,18 +33,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-wait_ready() { # address
-  for _ in $(seq 1 200); do
-    if "$BIN/courier" status --address "$1" --retry-budget 0s 2>/dev/null | grep -q "PARTITION"; then
-      if ! "$BIN/courier" status --address "$1" --retry-budget 0s | grep -q "no leader"; then return 0; fi
-    fi
-    sleep 0.1
-  done
-  echo "cluster at $1 did not become ready" >&2; exit 1
-}
 stop_all() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; PIDS=(); }
 
-# with_cpu, cpu_per_k and col; this script starts its clusters its own way (below).
+# start_cluster, wait_ready, with_cpu, cpu_per_k and col.
 source benchmarks/cluster.sh
 
 ROWS=()
@@ -101,25 +92,11 @@ start_dev() { # durability [data-dir tag: a fresh process per tag] [more dev opt
   local gw; gw=$(free_port)
   "$BIN/courier" dev --data-dir "$WORK/dev-$1${2:-}" --gateway-addr "127.0.0.1:$gw" --metrics-addr "127.0.0.1:$(free_port)" --durability "$1" "${@:3}" >"$WORK/dev-$1${2:-}.log" 2>&1 &
   PIDS+=($!)
-  wait_ready "127.0.0.1:$gw"; ADDR="127.0.0.1:$gw"
+  wait_ready "$BIN/courier" "127.0.0.1:$gw"; ADDR="127.0.0.1:$gw"
 }
 
-start_cluster() { # durability [data-dir tag: a fresh cluster per tag]
-  local p1 p2 p3 gw peers
-  p1=$(free_port); p2=$(free_port); p3=$(free_port); gw=$(free_port)
-  peers="1=127.0.0.1:$p1,2=127.0.0.1:$p2,3=127.0.0.1:$p3"
-  local i=1 m
-  BMETRICS=""
-  for p in $p1 $p2 $p3; do
-    m="127.0.0.1:$(free_port)"; BMETRICS="$BMETRICS${BMETRICS:+,}$m"
-    "$BIN/courier" broker --node-id $i --addr "127.0.0.1:$p" --peers "$peers" --partitions 3 \
-      --replication-factor 3 --durability "$1" --data-dir "$WORK/c-$1${2:-}-$i" --metrics-addr "$m" >"$WORK/broker-$1-$i.log" 2>&1 &
-    PIDS+=($!); i=$((i+1))
-  done
-  GMETRICS="127.0.0.1:$(free_port)"
-  "$BIN/courier" gateway --addr "127.0.0.1:$gw" --brokers "127.0.0.1:$p1,127.0.0.1:$p2,127.0.0.1:$p3" --metrics-addr "$GMETRICS" >"$WORK/gateway-$1.log" 2>&1 &
-  PIDS+=($!); GWPID=$!
-  wait_ready "127.0.0.1:$gw"; ADDR="127.0.0.1:$gw"
+start_3() { # durability [data-dir tag: a fresh cluster per tag]
+  DURABILITY=$1 start_cluster "$BIN/courier" "$WORK/c-$1${2:-}"
 }
 
 # The peer: NATS JetStream R3 (benchmarks/jetstream.sh), started beside the Courier
@@ -200,7 +177,7 @@ FSYNC=$("$BIN/courier-bench" fsync-probe --dir "$WORK")
 if [[ -n $PEER_ONLY ]]; then
   LIFE=()
   for d in "${MODES[@]}"; do
-    start_cluster "$d" -peer; peer "3 brokers, RF 3, $d" "$ADDR"
+    start_3 "$d" -peer; peer "3 brokers, RF 3, $d" "$ADDR"
     row=$(with_cpu "${PIDS[*]}" "$BIN/courier-bench" e2e --address "$ADDR" --label "3 brokers, RF 3, $d" --mode push \
       --workers 8 --in-flight 256 --duration "$DURATION" --warmup "$WARMUP")
     LIFE+=("$row $(cpu_per_k "$row") |")
@@ -229,13 +206,13 @@ for d in "${MODES[@]}"; do
       # here) show what that is worth.
       start_dev "$d" -e2e2 --worker-threads 2; e2e "courier dev --worker-threads 2, $d" "$ADDR"; stop_all
     fi
-    start_cluster "$d"; bench "3 brokers, RF 3, 3 partitions, $d" "$ADDR"; stop_all
+    start_3 "$d"; bench "3 brokers, RF 3, 3 partitions, $d" "$ADDR"; stop_all
   fi
-  start_cluster "$d" -e2e
+  start_3 "$d" -e2e
   if [[ $d == fsync ]]; then e2e "3 brokers, RF 3, $d" "$ADDR"; fi
   peer "3 brokers, RF 3, $d" "$ADDR"
   stop_all
-  if [[ $d == fsync ]]; then start_cluster "$d" -flow; flow "3 brokers, RF 3, $d" "$ADDR"; stop_all; fi
+  if [[ $d == fsync ]]; then start_3 "$d" -flow; flow "3 brokers, RF 3, $d" "$ADDR"; stop_all; fi
 done
 
 {
