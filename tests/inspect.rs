@@ -194,17 +194,29 @@ async fn jobs_are_listed_counted_and_incidents_retried_across_partitions() {
 }
 
 /// The page's rendered DOM, after its script ran.
+/// A browser that dies of a signal (it segfaults now and then in this sandbox, with
+/// no D-Bus) is started again, at most three times; any other failure fails the test.
 fn page_dom(metrics_addr: &str) -> String {
-    let out = std::process::Command::new("chromium-headless-shell")
-        .args([
-            "--no-sandbox",
-            "--disable-gpu",
-            "--virtual-time-budget=3000",
-            "--dump-dom",
-            &format!("http://{metrics_addr}/"),
-        ])
-        .output()
-        .expect("chromium-headless-shell is required for the status page test (scripts/test.sh installs it)");
+    use std::os::unix::process::ExitStatusExt;
+    let run = || {
+        std::process::Command::new("chromium-headless-shell")
+            .args([
+                "--no-sandbox",
+                "--disable-gpu",
+                "--virtual-time-budget=3000",
+                "--dump-dom",
+                &format!("http://{metrics_addr}/"),
+            ])
+            .output()
+            .expect("chromium-headless-shell is required for the status page test (scripts/test.sh installs it)")
+    };
+    let mut out = run();
+    for _ in 0..3 {
+        if out.status.signal().is_none() {
+            break;
+        }
+        out = run();
+    }
     assert!(
         out.status.success(),
         "{}",
