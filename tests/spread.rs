@@ -189,8 +189,9 @@ async fn worker_streams_spread_over_gateways_started_after_them() {
 }
 
 /// One of three gateways killed under load: its workers' streams reopen on the
-/// others, the create-to-handler p99 of the jobs created in the 10 s after the kill
-/// stays under a second, and every job is handled.
+/// others, creates go on without a one-second gap, the create-to-handler p99 of the
+/// jobs created in the 10 s after the kill stays under a second, and every job is
+/// handled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_under_load_loses_no_job_and_pushes_go_on() {
     let _g = serial().await;
@@ -248,10 +249,25 @@ async fn a_gateway_killed_under_load_loses_no_job_and_pushes_go_on() {
         after.len(),
         after.last().copied().unwrap_or_default()
     );
+    // The producer is closed-loop (a task's next create waits for its last), so how
+    // many jobs it made says how fast this machine is; a stall says the kill stopped
+    // creates. No second of the window may pass without a create.
+    let mut created: Vec<i64> = made
+        .iter()
+        .map(|(_, at)| *at)
+        .filter(|at| *at >= killed_at)
+        .collect();
+    created.sort_unstable();
+    let stall = created
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .chain(created.first().map(|first| first - killed_at))
+        .max()
+        .unwrap_or(i64::MAX);
     assert!(
-        after.len() > 3000,
-        "jobs flowed after the kill: {}",
-        after.len()
+        created.len() > 100 && stall < 1000,
+        "jobs flowed after the kill: {} created, longest time without a create {stall} ms",
+        created.len()
     );
     assert!(p99 < 1000, "p99 after the kill {p99} ms");
     wait_until(
