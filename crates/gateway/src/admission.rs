@@ -8,7 +8,7 @@ use crate::metrics;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-/// The bounds, each a flag of `courier gateway` (see `docs/operations.md`).
+/// The bounds, each a flag of `courier gateway` (the README lists them all).
 #[derive(Clone, Copy, Debug)]
 pub struct Bounds {
     /// Client connections held at once (`--max-connections`).
