@@ -1,6 +1,6 @@
 //! Seeing inside a running cluster: jobs listed and counted across partitions,
 //! incidents found and retried or cancelled, from the client, the CLI and the
-//! status page (loaded in headless Chromium).
+//! status page (loaded in headless Chromium, and driven by Playwright for a retry).
 
 use crate::common;
 
@@ -275,4 +275,58 @@ async fn the_status_page_shows_a_jobs_type_and_updates_when_it_completes() {
         },
     )
     .await;
+}
+
+/// A stuck job found, understood and retried from the status page, as an operator
+/// would: Playwright drives headless Chromium to the job's incident row, checks it
+/// shows the worker's error, and clicks Retry; the job is then activatable again
+/// with the page's retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_job_is_found_and_retried_from_the_status_page() {
+    let _g = serial().await;
+    let cluster = Cluster::start(ClusterOpts::default()).await;
+    cluster.wait_for_leaders(Duration::from_secs(30)).await;
+    let c = cluster.client();
+    let key = c
+        .create_job(NewJob::new("page-incident"))
+        .await
+        .expect("create")
+        .key;
+    let got = c
+        .activate_jobs(ActivateJobs::new("page-incident").max_jobs(1))
+        .await
+        .expect("activate");
+    assert_eq!(got[0].key, key);
+    c.fail_job(key, 0, "printer out of paper", Duration::ZERO)
+        .await
+        .expect("fail");
+
+    let compat = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/compat");
+    assert!(
+        compat.join("node_modules/playwright-core").exists(),
+        "playwright-core not found: run `npm ci --prefix tests/compat` (scripts/test.sh does)"
+    );
+    let out = tokio::process::Command::new("node")
+        .arg(compat.join("page-retry.mjs"))
+        .args([
+            &format!("http://{}/", cluster.gateway_metrics[0]),
+            &key.to_string(),
+            "printer out of paper",
+        ])
+        .output()
+        .await
+        .expect("`node` is required for the status page test");
+    assert!(
+        out.status.success(),
+        "the page's retry: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j = c.get_job(key).await.expect("get");
+    assert_eq!((j.state, j.retries), (JobState::Activatable as i32, 3));
+    let again = c
+        .activate_jobs(ActivateJobs::new("page-incident").max_jobs(1))
+        .await
+        .expect("activate");
+    assert_eq!(again.iter().map(|j| j.key).collect::<Vec<_>>(), vec![key]);
 }
