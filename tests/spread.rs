@@ -447,12 +447,22 @@ async fn a_busy_worker_streams_from_a_second_gateway_within_its_credit_and_close
     }
     let stop = tokio_util::sync::CancellationToken::new();
     let made = produce(&producer, "lanes", 1200, stop.clone());
-    wait_until(
-        Duration::from_secs(20),
-        "a stream on each gateway",
-        || async { streams(&cluster).await == [1.0, 1.0] },
-    )
-    .await;
+    // Growing takes two busy looks a second apart after a settling time; the margin
+    // is for a loaded machine. A failure says where the streams were, and what the
+    // worker saw.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
+    loop {
+        let now = streams(&cluster).await;
+        if now == [1.0, 1.0] {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no stream on each gateway within 40 s: streams per gateway {now:?}; worker {:?}",
+            w.metrics().snapshot()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let before = pushed(&cluster).await;
     let mut seen = Vec::new();
     for _ in 0..40 {
