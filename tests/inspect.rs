@@ -301,7 +301,7 @@ async fn a_stuck_job_is_found_and_retried_from_the_status_page() {
         .await
         .expect("fail");
 
-    let compat = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/compat");
+    let compat = common::compat_dir();
     assert!(
         compat.join("node_modules/playwright-core").exists(),
         "playwright-core not found: run `npm ci --prefix tests/compat` (scripts/test.sh does)"

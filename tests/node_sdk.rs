@@ -19,7 +19,7 @@ use common::secure::Secure;
 use common::{
     assert_all_completed, create_in_batches, serial, wait_until, ClientProc, Cluster, ClusterOpts,
 };
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -29,10 +29,6 @@ const STREAM_JOBS: usize = 500;
 /// Jobs the polling worker must complete.
 const POLL_JOBS: usize = 100;
 
-fn compat_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/compat")
-}
-
 /// `node` and the SDK; a missing one fails the test, it never skips it.
 fn require_node_and_sdk() {
     let node = Command::new("node").arg("--version").output();
@@ -40,7 +36,7 @@ fn require_node_and_sdk() {
         node.as_ref().is_ok_and(|o| o.status.success()),
         "`node` does not run ({node:?}): install Node.js 20+, then run `npm ci --prefix tests/compat`"
     );
-    let sdk = compat_dir().join("node_modules/@camunda8/sdk");
+    let sdk = common::compat_dir().join("node_modules/@camunda8/sdk");
     assert!(
         sdk.exists(),
         "@camunda8/sdk not found at {}: run `npm ci --prefix tests/compat`",
@@ -63,7 +59,7 @@ fn start_node_worker(
         .as_ref()
         .map(|s| s.zeebe_env("node-worker", "node-secret", cluster.dir.path()))
         .unwrap_or_default();
-    let path = compat_dir().join(script);
+    let path = common::compat_dir().join(script);
     ClientProc::spawn_with_env(
         Path::new("node"),
         &[

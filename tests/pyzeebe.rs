@@ -24,13 +24,9 @@ use std::time::Duration;
 
 const JOBS: usize = 100;
 
-fn compat_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/compat")
-}
-
 /// The Python that has pyzeebe; a missing one fails the test, it never skips it.
 fn python() -> PathBuf {
-    let python = compat_dir().join(".venv/bin/python");
+    let python = common::compat_dir().join(".venv/bin/python");
     let check = Command::new(&python)
         .args(["-c", "import pyzeebe; print(pyzeebe.__name__)"])
         .output();
@@ -59,7 +55,7 @@ async fn pyzeebe_completes(opts: ClusterOpts, mode: &str, jobs: usize) -> (f64, 
     let cluster = Cluster::start(opts).await;
     let c = cluster.client();
     let job_type = format!("pyzeebe-{mode}");
-    let script = compat_dir().join("pyzeebe-worker.py");
+    let script = common::compat_dir().join("pyzeebe-worker.py");
     let env = secure
         .map(|s| s.zeebe_env("pyzeebe-worker", "pyzeebe-secret", cluster.dir.path()))
         .unwrap_or_default();

@@ -950,3 +950,9 @@ pub async fn create_in_batches(
     assert_eq!(keys.len(), batches * per_batch);
     keys
 }
+
+/// The folder of the real clients' compatibility scripts and their packages
+/// (`npm ci --prefix tests/compat`, its `.venv`), which scripts/test.sh installs.
+pub fn compat_dir() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/compat")
+}
