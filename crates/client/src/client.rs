@@ -294,6 +294,11 @@ impl Client {
         self.gateways.count()
     }
 
+    /// The gateways not passed over now (none found unreachable a moment ago).
+    pub(crate) fn live_gateways(&self) -> Vec<String> {
+        self.gateways.live_addresses()
+    }
+
     /// Opens a job stream where streams are fewest, or again on `from`, whose
     /// stream ended at its age, unless it holds more than its share (see
     /// [`Gateways::pick_for_stream`]).

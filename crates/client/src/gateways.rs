@@ -381,6 +381,17 @@ impl Gateways {
         self.pool.members().len()
     }
 
+    /// The addresses of the gateways not passed over now.
+    pub(crate) fn live_addresses(&self) -> Vec<String> {
+        let now = self.pool.now_ms();
+        self.pool
+            .members()
+            .iter()
+            .filter(|m| !m.passed_over(now))
+            .map(|m| m.addr.clone())
+            .collect()
+    }
+
     /// The addresses dialled, in order.
     pub(crate) fn addresses(&self) -> Vec<String> {
         self.pool.members().iter().map(|m| m.addr.clone()).collect()

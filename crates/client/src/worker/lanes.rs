@@ -8,7 +8,7 @@
 use super::sources::{stream_loop, StreamState};
 use super::{lock, Ctx};
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{watch, Notify};
@@ -46,8 +46,11 @@ pub(super) struct Lane {
     pub(super) resized: Notify,
     /// Cancelled when it is closed (or the worker stops).
     pub(super) close: CancellationToken,
-    /// The gateway its stream is on now.
+    /// The gateway its stream is on, or was last on while it reopens: the worker's
+    /// other streams keep off it, even when two (re)open at the same moment.
     gateway: Mutex<Option<String>>,
+    /// Told to reopen on another gateway: it shares one with another stream.
+    moving: AtomicBool,
     state: AtomicU8,
 }
 
@@ -64,11 +67,15 @@ impl Lane {
             .stream_credit(i64::from(credit) - i64::from(was));
     }
 
-    /// Its stream ended.
+    /// Its stream ended (its gateway stays claimed until it reopens elsewhere).
     pub(super) fn ended(&self, ctx: &Ctx) {
-        *lock(&self.gateway) = None;
         let was = self.open_credit.swap(0, Relaxed);
         ctx.metrics.stream_credit(-i64::from(was));
+    }
+
+    /// Whether it was told to move to another gateway (and clears that).
+    pub(super) fn take_move(&self) -> bool {
+        self.moving.swap(false, Relaxed)
     }
 }
 
@@ -109,6 +116,7 @@ impl Lanes {
             resized: Notify::new(),
             close: stop.child_token(),
             gateway: Mutex::new(None),
+            moving: AtomicBool::new(false),
             state: AtomicU8::new(StreamState::Opening as u8),
         });
         lock(&self.live).push(lane.clone());
@@ -169,7 +177,8 @@ impl Lanes {
         self.polled_beside.fetch_add(n as u64, Relaxed);
     }
 
-    /// The gateways of the streams other than `lane`'s.
+    /// The gateways of the streams other than `lane`'s (where they are, or
+    /// reopen from).
     pub(super) fn other_gateways(&self, lane: &Lane) -> Vec<String> {
         lock(&self.live)
             .iter()
@@ -249,6 +258,19 @@ pub(super) fn split(total: u32, weights: &[u64]) -> Vec<u32> {
         given -= 1;
     }
     shares
+}
+
+/// Of `open` streams (lane id, gateway), the one to move to another gateway: the
+/// latest of two or more on one gateway, while a gateway in `live` has none.
+fn crowded(open: &[(usize, String)], live: &[String]) -> Option<usize> {
+    let held: HashSet<&str> = open.iter().map(|(_, g)| g.as_str()).collect();
+    if live.iter().all(|g| held.contains(g.as_str())) {
+        return None;
+    }
+    open.iter()
+        .filter(|(id, g)| open.iter().any(|(other, h)| other < id && h == g))
+        .map(|(id, _)| *id)
+        .max()
 }
 
 /// Whether moving from `old` to `new` credits is worth reopening streams for.
@@ -371,6 +393,28 @@ pub(super) async fn run(ctx: Arc<Ctx>, lanes: Arc<Lanes>) {
             (changed, rebalanced) = (Instant::now(), Instant::now());
             continue;
         }
+        // Two streams on one gateway while another is live and has none (one
+        // reopened beside the other while that gateway was passed over, or both
+        // chose at once): the later one moves, so more gateways push to the worker.
+        if settled && live.len() > 1 {
+            let open: Vec<(usize, String)> = live
+                .iter()
+                .filter(|l| l.state.load(Relaxed) == StreamState::Open as u8)
+                .filter_map(|l| lock(&l.gateway).clone().map(|g| (l.id, g)))
+                .collect();
+            if let Some(id) = crowded(&open, &ctx.once.live_gateways()) {
+                if let Some(lane) = live.iter().find(|l| l.id == id) {
+                    tracing::debug!(
+                        job_type = %ctx.config.job_type,
+                        "two job streams share a gateway while another has none: moving one"
+                    );
+                    lane.moving.store(true, Relaxed);
+                    lane.resized.notify_one();
+                    changed = Instant::now();
+                    continue;
+                }
+            }
+        }
         if live.len() > 1 && rebalanced.elapsed() >= REBALANCE_EVERY {
             let recent: Vec<u64> = live
                 .iter()
@@ -410,6 +454,37 @@ mod tests {
             assert_eq!(s.iter().sum::<u32>(), total, "{total} {weights:?} -> {s:?}");
             assert!(s.iter().all(|&c| c >= 1), "{s:?}");
         }
+    }
+
+    #[test]
+    fn a_stream_sharing_a_gateway_moves_only_while_another_gateway_is_live_and_free() {
+        let open = |v: &[(usize, &str)]| -> Vec<(usize, String)> {
+            v.iter().map(|(i, g)| (*i, g.to_string())).collect()
+        };
+        let live = |v: &[&str]| -> Vec<String> { v.iter().map(|g| g.to_string()).collect() };
+        assert_eq!(
+            crowded(&open(&[(0, "a"), (1, "a")]), &live(&["a", "b"])),
+            Some(1)
+        );
+        // The other gateway is passed over: nowhere better to go.
+        assert_eq!(crowded(&open(&[(0, "a"), (1, "a")]), &live(&["a"])), None);
+        assert_eq!(
+            crowded(&open(&[(0, "a"), (1, "b")]), &live(&["a", "b"])),
+            None
+        );
+        assert_eq!(
+            crowded(
+                &open(&[(0, "a"), (2, "b"), (3, "a")]),
+                &live(&["a", "b", "c"])
+            ),
+            Some(3)
+        );
+        // Every live gateway has a stream: sharing one is then fine.
+        assert_eq!(
+            crowded(&open(&[(0, "a"), (1, "b"), (2, "a")]), &live(&["a", "b"])),
+            None
+        );
+        assert_eq!(crowded(&open(&[(0, "a")]), &live(&["a", "b"])), None);
     }
 
     #[test]

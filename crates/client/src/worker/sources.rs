@@ -179,7 +179,10 @@ pub(super) async fn stream_loop(ctx: Arc<Ctx>, lanes: Arc<Lanes>, lane: Arc<Lane
                 match ended {
                     Ended::Resized => {
                         ctx.metrics.stream_closed();
-                        aged = Some(open.gateway);
+                        // A stream told to move reopens where the worker has none.
+                        if !lane.take_move() {
+                            aged = Some(open.gateway);
+                        }
                         true
                     }
                     Ended::Moved { leaving } => {
