@@ -66,6 +66,9 @@ pub struct E2eArgs {
     /// one connection, completions included).
     #[arg(long, default_value_t = 200)]
     pub workers_per_connection: usize,
+    /// Each worker's credit: a stream's max jobs active, a poll's max jobs.
+    #[arg(long, default_value_t = 32)]
+    pub credit: u32,
     #[command(flatten)]
     pub security: crate::SecurityArgs,
 }
@@ -76,9 +79,11 @@ async fn push_worker(
     client: Client,
     seen: Seen,
     opened: Arc<Semaphore>,
+    credit: u32,
 ) -> anyhow::Result<()> {
     let request = StreamJobs::new(job_type)
         .worker(worker)
+        .max_jobs_active(credit)
         .timeout(Duration::from_secs(30));
     let mut stream = client.stream_activated_jobs(request).await?;
     opened.add_permits(1);
@@ -97,10 +102,11 @@ async fn poll_worker(
     worker: String,
     client: Client,
     seen: Seen,
+    credit: u32,
 ) -> anyhow::Result<()> {
     let req = ActivateJobs::new(job_type)
         .worker(worker)
-        .max_jobs(32)
+        .max_jobs(i32::try_from(credit).unwrap_or(i32::MAX))
         .timeout(Duration::from_secs(30))
         .request_timeout(Duration::from_secs(10));
     loop {
@@ -151,8 +157,8 @@ pub async fn run(a: E2eArgs) -> anyhow::Result<()> {
         let o = Arc::clone(&opened);
         workers.push(tokio::spawn(async move {
             match a.mode {
-                Mode::Push => push_worker(t, worker, c, s, o).await,
-                Mode::Poll => poll_worker(t, worker, c, s).await,
+                Mode::Push => push_worker(t, worker, c, s, o, a.credit).await,
+                Mode::Poll => poll_worker(t, worker, c, s, a.credit).await,
             }
         }));
     }
