@@ -4,6 +4,9 @@
 # gateway's address, GWPID to its process, BMETRICS and GMETRICS to the brokers' and
 # the gateway's metrics addresses, and adds the processes to PIDS. Also the servers'
 # CPU over a row (with_cpu, cpu_per_k).
+stop_all() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; PIDS=(); }
+# A scratch folder WORK, removed on exit once every server in PIDS is stopped.
+scratch() { WORK=$(mktemp -d); PIDS=(); trap 'stop_all; rm -rf "$WORK"' EXIT; }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_ready() { # BIN ADDR: until every partition has a leader
   for _ in $(seq 1 200); do

@@ -8,11 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 cargo build -q --release -p courier-cli -p courier-bench
-WORK=$(mktemp -d)
-PIDS=()
-stop_all() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; PIDS=(); }
-trap 'stop_all; rm -rf "$WORK"' EXIT
 source benchmarks/cluster.sh
+scratch
 RATE=${RATE:-1000}
 ROWS=""
 DURATION=10
