@@ -1,5 +1,6 @@
 # Sourced by the benchmark scripts: start_cluster, which starts a 3-broker cluster
-# (PARTITIONS partitions, default 3; RF 3; $DURABILITY, default fsync) and one
+# (PARTITIONS partitions, default 3; RF 3; $DURABILITY, default fsync; more broker
+# flags in $BROKER_ARGS) and one
 # gateway from the binary BIN, its data and logs under DIR: sets ADDR to the
 # gateway's address, GWPID to its process, BMETRICS and GMETRICS to the brokers' and
 # the gateway's metrics addresses, and adds the processes to PIDS. Also the servers'
@@ -27,7 +28,7 @@ start_cluster() { # BIN DIR [PARTITIONS]
     m="127.0.0.1:$(free_port)"; BMETRICS="$BMETRICS${BMETRICS:+,}$m"
     "$bin" broker --node-id $i --addr "127.0.0.1:${ports[$((i-1))]}" --peers "$peers" \
       --partitions "$partitions" --replication-factor 3 --durability "${DURABILITY:-fsync}" \
-      --data-dir "$dir/b$i" --metrics-addr "$m" >"$dir/b$i.log" 2>&1 &
+      --data-dir "$dir/b$i" --metrics-addr "$m" ${BROKER_ARGS:-} >"$dir/b$i.log" 2>&1 &
     PIDS+=($!)
   done
   ADDR="127.0.0.1:$(free_port)"; GMETRICS="127.0.0.1:$(free_port)"
